@@ -1,0 +1,37 @@
+PY ?= python3
+VENV ?= .venv
+# Interpreter used by test/demo/bench. CI brings its own (make test PYTHON=.ci-venv/bin/python);
+# only when we use the project venv do targets first make sure it is installed.
+PYTHON ?= $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+NEEDS_SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),setup)
+
+.PHONY: setup test lint demo bench clean
+
+setup: $(STAMP)
+
+# torch goes in first and pinned, so pip takes the local CPU wheel instead of pulling a CUDA build
+# as a dependency of the package; the stamp makes a repeated `make setup` a no-op.
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install --upgrade pip
+	$(VENV)/bin/python -m pip install torch==2.13.0
+	$(VENV)/bin/python -m pip install -e ".[dev]"
+	touch $(STAMP)
+
+test: $(NEEDS_SETUP)
+	$(PYTHON) -m pytest -q tests
+
+lint: $(NEEDS_SETUP)
+	$(PYTHON) -m ruff check .
+
+demo: $(NEEDS_SETUP)
+	$(PYTHON) -m kvstreams_sglang.demo
+
+bench: $(NEEDS_SETUP)
+	$(PYTHON) -m bench.decode_attention
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache runs
+	find . \( -path ./$(VENV) -o -path ./.ci-venv -o -path ./.git \) -prune -o \
+		-name __pycache__ -type d -prune -exec rm -rf {} +

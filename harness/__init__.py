@@ -1,0 +1,2 @@
+"""RL harness: configs, the agent loop over environments and engine streams, and rollout records
+handed to the trainer."""

@@ -1,0 +1,20 @@
+"""Triton kernels of the KV4-RL cache (page size 1): store, decode, extend.
+
+Each file holds one kernel family and its launcher; the torch reference of every kernel
+is in ``kvstreams_sglang.kv4.reference``. Without a CUDA device the kernels run under
+Triton's interpreter (``TRITON_INTERPRET=1``, set here before any kernel is defined), so
+the same code is tested on CPU at small sizes.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .decode import DecodePlan, kv4_decode, plan_decode
+from .extend import kv4_extend
+from .store import kv4_store
+
+__all__ = ["DecodePlan", "kv4_decode", "kv4_extend", "kv4_store", "plan_decode"]

@@ -1,0 +1,186 @@
+"""Extend/prefill kernel: new tokens attend to the quantised cached prefix (INT4 and INT8
+regions, INT8 query as in decode) and, in full precision, causally to each other.
+
+Grid ``(query blocks, B, Hkv)``. A program's rows are (token, query head) pairs of one KV
+head: ``BLOCK_R`` rows = ``BLOCK_R // GROUP`` tokens x ``GROUP`` heads, so GQA heads share
+every K/V tile. The three key sets (INT4 prefix, INT8 prefix, new tokens) are folded into
+one online softmax, which is the exact LSE merge done incrementally.
+Reference: ``kv4.reference.extend_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kv4.cache import KV4LayerCache
+from ..kv4.reference import quantize_query
+from .decode import LOG2E
+
+
+@triton.jit
+def _online_update(s, m_i, l_i, acc_lo, acc_hi):
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, m_new, l_i * alpha + tl.sum(p, 1), acc_lo * alpha[:, None], acc_hi * alpha[:, None], alpha
+
+
+@triton.jit
+def _extend_kernel(
+    Q, stride_qt, stride_qh, Q8, QScale, stride_q8t, stride_q8h, stride_qst, stride_qsh,
+    KNew, VNew, stride_kt, stride_kh, stride_vt, stride_vh, QoIndptr,
+    KvIndptr, KvIndices, SideIndptr, SideIndices,
+    KCodes, KMeta, VCodes, VMeta, KSide, KSideScale, VSide, VSideScale,
+    stride_cs, stride_ch, stride_ms, stride_mh, stride_ss, stride_sh, stride_scs, stride_sch,
+    Out, stride_ot, stride_oh,
+    sm_scale_log2,
+    GROUP: tl.constexpr, TOK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+    HALF: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    mb = tl.program_id(0)
+    b = tl.program_id(1)
+    hk = tl.program_id(2)
+    q_start = tl.load(QoIndptr + b)
+    n_new = tl.load(QoIndptr + b + 1) - q_start
+    if mb * TOK >= n_new:
+        return
+    r = tl.arange(0, BLOCK_R)
+    t_rel = mb * TOK + r // GROUP  # token index inside this request's new tokens
+    qh = hk * GROUP + r % GROUP
+    rmask = (r < TOK * GROUP) & (t_rel < n_new)
+    t = q_start + t_rel
+    d = tl.arange(0, HALF)
+
+    q8_ptr = Q8 + t[:, None] * stride_q8t + qh[:, None] * stride_q8h + d[None, :]
+    q8_lo = tl.load(q8_ptr, mask=rmask[:, None], other=0)
+    q8_hi = tl.load(q8_ptr + HALF, mask=rmask[:, None], other=0)
+    qs = tl.load(QScale + t * stride_qst + qh * stride_qsh, mask=rmask, other=0.0).to(tl.float32) * sm_scale_log2
+    q_sum = (tl.sum(q8_lo.to(tl.int32), 1) + tl.sum(q8_hi.to(tl.int32), 1)).to(tl.float32)
+
+    m_i = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_R], tl.float32)
+    acc_lo = tl.zeros([BLOCK_R, HALF], tl.float32)
+    acc_hi = tl.zeros([BLOCK_R, HALF], tl.float32)
+
+    # ---- INT4 prefix ----
+    start = tl.load(KvIndptr + b)
+    length = tl.load(KvIndptr + b + 1) - start
+    acc_off = tl.zeros([BLOCK_R], tl.float32)
+    for n0 in range(0, length, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < length
+        slot = tl.load(KvIndices + start + n, mask=nmask, other=0).to(tl.int64)
+        code_ptr = slot[:, None] * stride_cs + hk * stride_ch + d[None, :]
+        meta_ptr = slot * stride_ms + hk * stride_mh
+        kc = tl.load(KCodes + code_ptr, mask=nmask[:, None], other=0)
+        k_scale = tl.load(KMeta + meta_ptr, mask=nmask, other=0.0).to(tl.float32)
+        k_off = tl.load(KMeta + meta_ptr + 1, mask=nmask, other=0.0).to(tl.float32)
+        vc = tl.load(VCodes + code_ptr, mask=nmask[:, None], other=0)
+        v_scale = tl.load(VMeta + meta_ptr, mask=nmask, other=0.0).to(tl.float32)
+        v_off = tl.load(VMeta + meta_ptr + 1, mask=nmask, other=0.0).to(tl.float32)
+        qk = tl.dot(q8_lo, tl.trans((kc & 15).to(tl.int8))) + tl.dot(q8_hi, tl.trans((kc >> 4).to(tl.int8)))
+        s = qs[:, None] * (k_scale[None, :] * qk.to(tl.float32) + k_off[None, :] * q_sum[:, None])
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        p, m_i, l_i, acc_lo, acc_hi, alpha = _online_update(s, m_i, l_i, acc_lo, acc_hi)
+        pv = (p * v_scale[None, :]).to(tl.float16)
+        acc_lo += tl.dot(pv, (vc & 15).to(tl.float16))
+        acc_hi += tl.dot(pv, (vc >> 4).to(tl.float16))
+        acc_off = acc_off * alpha + tl.sum(p * v_off[None, :], 1)
+    acc_lo += acc_off[:, None]
+    acc_hi += acc_off[:, None]
+
+    # ---- INT8 prefix ----
+    start = tl.load(SideIndptr + b)
+    length = tl.load(SideIndptr + b + 1) - start
+    for n0 in range(0, length, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < length
+        slot = tl.load(SideIndices + start + n, mask=nmask, other=0).to(tl.int64)
+        ptr = slot[:, None] * stride_ss + hk * stride_sh + d[None, :]
+        k_lo = tl.load(KSide + ptr, mask=nmask[:, None], other=0)
+        k_hi = tl.load(KSide + ptr + HALF, mask=nmask[:, None], other=0)
+        k_scale = tl.load(KSideScale + slot * stride_scs + hk * stride_sch, mask=nmask, other=0.0).to(tl.float32)
+        v_lo = tl.load(VSide + ptr, mask=nmask[:, None], other=0)
+        v_hi = tl.load(VSide + ptr + HALF, mask=nmask[:, None], other=0)
+        v_scale = tl.load(VSideScale + slot * stride_scs + hk * stride_sch, mask=nmask, other=0.0).to(tl.float32)
+        qk = tl.dot(q8_lo, tl.trans(k_lo)) + tl.dot(q8_hi, tl.trans(k_hi))
+        s = qs[:, None] * k_scale[None, :] * qk.to(tl.float32)
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        p, m_i, l_i, acc_lo, acc_hi, alpha = _online_update(s, m_i, l_i, acc_lo, acc_hi)
+        pv = (p * v_scale[None, :]).to(tl.float16)
+        acc_lo += tl.dot(pv, v_lo.to(tl.float16))
+        acc_hi += tl.dot(pv, v_hi.to(tl.float16))
+
+    # ---- new tokens, full precision, causal ----
+    q_ptr = Q + t[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :]
+    q_lo = tl.load(q_ptr, mask=rmask[:, None], other=0.0)
+    q_hi = tl.load(q_ptr + HALF, mask=rmask[:, None], other=0.0)
+    fs = sm_scale_log2
+    kv_end = tl.minimum(n_new, mb * TOK + TOK)
+    for j0 in range(0, kv_end, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        jmask = j < kv_end
+        k_ptr = KNew + (q_start + j)[:, None] * stride_kt + hk * stride_kh + d[None, :]
+        k_lo = tl.load(k_ptr, mask=jmask[:, None], other=0.0)
+        k_hi = tl.load(k_ptr + HALF, mask=jmask[:, None], other=0.0)
+        qk = tl.dot(q_lo, tl.trans(k_lo), input_precision=DOT_PREC) + \
+            tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PREC)
+        s = qk * fs
+        s = tl.where(jmask[None, :] & (j[None, :] <= t_rel[:, None]), s, float("-inf"))
+        p, m_i, l_i, acc_lo, acc_hi, alpha = _online_update(s, m_i, l_i, acc_lo, acc_hi)
+        v_ptr = VNew + (q_start + j)[:, None] * stride_vt + hk * stride_vh + d[None, :]
+        v_lo = tl.load(v_ptr, mask=jmask[:, None], other=0.0)
+        v_hi = tl.load(v_ptr + HALF, mask=jmask[:, None], other=0.0)
+        pv = p.to(v_lo.dtype)
+        acc_lo += tl.dot(pv, v_lo, input_precision=DOT_PREC)
+        acc_hi += tl.dot(pv, v_hi, input_precision=DOT_PREC)
+
+    denom = tl.where(l_i > 0, l_i, 1.0)
+    o_ptr = Out + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :]
+    tl.store(o_ptr, (acc_lo / denom[:, None]).to(Out.dtype.element_ty), mask=rmask[:, None])
+    tl.store(o_ptr + HALF, (acc_hi / denom[:, None]).to(Out.dtype.element_ty), mask=rmask[:, None])
+
+
+def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
+               cache: KV4LayerCache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+               side_indptr: torch.Tensor, side_indices: torch.Tensor, *, max_new_tokens: int | None = None,
+               sm_scale: float | None = None, rotate: bool = True, block_r: int = 64,
+               block_n: int = 64) -> torch.Tensor:
+    """``q [N, Hq, D]``, ``k_new, v_new [N, Hkv, D]`` (post-RoPE, unrotated) for the new
+    tokens of ``B`` requests laid out by ``qo_indptr [B+1]``; the prefix index lists are
+    CSR like in decode. Returns ``out [N, Hq, D]`` in q's dtype (fp32 for fp64)."""
+    n, hq, d = q.shape
+    hkv = cache.num_kv_heads
+    if hq % hkv or d != cache.head_dim or k_new.shape != (n, hkv, d) or v_new.shape != k_new.shape:
+        raise ValueError(f"kv4_extend: q {tuple(q.shape)}, k_new {tuple(k_new.shape)}, v_new "
+                         f"{tuple(v_new.shape)} do not fit cache Hkv={hkv}, D={cache.head_dim}")
+    group = hq // hkv
+    sm_scale = sm_scale if sm_scale is not None else d ** -0.5
+    compute = torch.float32 if q.dtype == torch.float64 else q.dtype
+    qc, kc, vc = (x.to(compute).contiguous() for x in (q, k_new, v_new))
+    q8 = quantize_query(q, rotate=rotate)
+    codes, qscale = q8.codes.contiguous(), q8.scale.contiguous()
+    out = torch.empty(n, hq, d, dtype=compute, device=q.device)
+    if n == 0:
+        return out
+    if max_new_tokens is None:
+        max_new_tokens = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    block_r = max(block_r, 16, triton.next_power_of_2(group))
+    tok = block_r // group
+    c = cache
+    _extend_kernel[(triton.cdiv(max_new_tokens, tok), qo_indptr.numel() - 1, hkv)](
+        qc, qc.stride(0), qc.stride(1), codes, qscale, codes.stride(0), codes.stride(1),
+        qscale.stride(0), qscale.stride(1),
+        kc, vc, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), qo_indptr.to(torch.int32),
+        kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
+        c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale,
+        c.k_codes.stride(0), c.k_codes.stride(1), c.k_meta.stride(0), c.k_meta.stride(1),
+        c.k_side.stride(0), c.k_side.stride(1), c.k_side_scale.stride(0), c.k_side_scale.stride(1),
+        out, out.stride(0), out.stride(1),
+        sm_scale * LOG2E,
+        GROUP=group, TOK=tok, BLOCK_R=block_r, BLOCK_N=block_n, HALF=d // 2,
+        DOT_PREC="ieee" if compute == torch.float32 else "tf32",
+    )
+    return out

@@ -1,0 +1,127 @@
+"""Store kernel: quantise new K/V rows and scatter them into the KV4 cache.
+
+One program per (block of ``BLOCK_T`` tokens, KV head). Keys are rotated in-register
+(two half-width dots with the Hadamard matrix's column halves, producing directly the
+two halves that split-half packing wants), then every row gets INT4 codes in the token's
+slot and, when ``side_slots[i] >= 0``, an INT8 copy in its side slot. Reference:
+``kv4.reference.store_reference``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kv4.cache import KV4LayerCache
+from ..kv4.hadamard import hadamard_matrix
+
+
+@triton.jit
+def _int4_codes(x_lo, x_hi):
+    """Per-row asymmetric INT4 of a vector given as two halves ``[T, D/2]``."""
+    lo = tl.minimum(tl.min(x_lo, 1), tl.min(x_hi, 1))
+    hi = tl.maximum(tl.max(x_lo, 1), tl.max(x_hi, 1))
+    scale = ((hi - lo) / 15.0).to(tl.float16)
+    scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
+    offset = lo.to(tl.float16)
+    s32, o32 = scale.to(tl.float32)[:, None], offset.to(tl.float32)[:, None]
+    c_lo = tl.clamp(tl.floor(tl.math.div_rn(x_lo - o32, s32) + 0.5), 0.0, 15.0).to(tl.uint8)
+    c_hi = tl.clamp(tl.floor(tl.math.div_rn(x_hi - o32, s32) + 0.5), 0.0, 15.0).to(tl.uint8)
+    return c_lo | (c_hi << 4), scale, offset
+
+
+@triton.jit
+def _int8_codes(x_lo, x_hi):
+    """Per-row symmetric INT8 of a vector given as two halves ``[T, D/2]``."""
+    amax = tl.maximum(tl.max(tl.abs(x_lo), 1), tl.max(tl.abs(x_hi), 1))
+    scale = (amax / 127.0).to(tl.float16)
+    scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
+    s32 = scale.to(tl.float32)[:, None]
+    c_lo = tl.clamp(tl.floor(tl.math.div_rn(x_lo, s32) + 0.5), -127.0, 127.0).to(tl.int8)
+    c_hi = tl.clamp(tl.floor(tl.math.div_rn(x_hi, s32) + 0.5), -127.0, 127.0).to(tl.int8)
+    return c_lo, c_hi, scale
+
+
+@triton.jit
+def _store_kernel(
+    K, V, stride_kt, stride_kh, stride_vt, stride_vh,
+    Slots, SideSlots, Hmat,
+    KCodes, KMeta, VCodes, VMeta, KSide, KSideScale, VSide, VSideScale,
+    stride_cs, stride_ch, stride_ms, stride_mh, stride_ss, stride_sh, stride_scs, stride_sch,
+    N,
+    HALF: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr,
+):
+    h = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < N
+    d = tl.arange(0, HALF)
+    row = tmask[:, None]
+
+    k_lo = tl.load(K + t[:, None] * stride_kt + h * stride_kh + d[None, :], mask=row, other=0.0).to(tl.float32)
+    k_hi = tl.load(K + t[:, None] * stride_kt + h * stride_kh + HALF + d[None, :], mask=row, other=0.0)
+    k_hi = k_hi.to(tl.float32)
+    if ROTATE:
+        # x H = [x_lo, x_hi] @ [[H00, H01], [H10, H11]]: each output half is two dots.
+        e = tl.arange(0, HALF)
+        h00 = tl.load(Hmat + e[:, None] * (2 * HALF) + d[None, :])
+        h01 = tl.load(Hmat + e[:, None] * (2 * HALF) + HALF + d[None, :])
+        h10 = tl.load(Hmat + (HALF + e[:, None]) * (2 * HALF) + d[None, :])
+        h11 = tl.load(Hmat + (HALF + e[:, None]) * (2 * HALF) + HALF + d[None, :])
+        r_lo = tl.dot(k_lo, h00, input_precision="ieee") + tl.dot(k_hi, h10, input_precision="ieee")
+        r_hi = tl.dot(k_lo, h01, input_precision="ieee") + tl.dot(k_hi, h11, input_precision="ieee")
+        k_lo, k_hi = r_lo, r_hi
+    v_lo = tl.load(V + t[:, None] * stride_vt + h * stride_vh + d[None, :], mask=row, other=0.0).to(tl.float32)
+    v_hi = tl.load(V + t[:, None] * stride_vt + h * stride_vh + HALF + d[None, :], mask=row, other=0.0)
+    v_hi = v_hi.to(tl.float32)
+
+    slot = tl.load(Slots + t, mask=tmask, other=0).to(tl.int64)
+    kc, ks, ko = _int4_codes(k_lo, k_hi)
+    vc, vs, vo = _int4_codes(v_lo, v_hi)
+    tl.store(KCodes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], kc, mask=row)
+    tl.store(VCodes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], vc, mask=row)
+    meta = slot * stride_ms + h * stride_mh
+    tl.store(KMeta + meta, ks, mask=tmask)
+    tl.store(KMeta + meta + 1, ko, mask=tmask)
+    tl.store(VMeta + meta, vs, mask=tmask)
+    tl.store(VMeta + meta + 1, vo, mask=tmask)
+
+    side = tl.load(SideSlots + t, mask=tmask, other=-1).to(tl.int64)
+    smask = tmask & (side >= 0)
+    srow = smask[:, None]
+    side = tl.where(smask, side, 0)
+    k8_lo, k8_hi, k8s = _int8_codes(k_lo, k_hi)
+    v8_lo, v8_hi, v8s = _int8_codes(v_lo, v_hi)
+    base = side[:, None] * stride_ss + h * stride_sh + d[None, :]
+    tl.store(KSide + base, k8_lo, mask=srow)
+    tl.store(KSide + base + HALF, k8_hi, mask=srow)
+    tl.store(VSide + base, v8_lo, mask=srow)
+    tl.store(VSide + base + HALF, v8_hi, mask=srow)
+    tl.store(KSideScale + side * stride_scs + h * stride_sch, k8s, mask=smask)
+    tl.store(VSideScale + side * stride_scs + h * stride_sch, v8s, mask=smask)
+
+
+def kv4_store(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              side_slots: torch.Tensor | None = None, *, rotate: bool = True, block_t: int = 16) -> None:
+    """Quantise ``k, v [N, Hkv, D]`` (post-RoPE) into ``slots [N]``; rows whose
+    ``side_slots`` entry is ``>= 0`` also get INT8 copies there."""
+    n, hkv, d = k.shape
+    if v.shape != k.shape or hkv != cache.num_kv_heads or d != cache.head_dim:
+        raise ValueError(f"kv4_store: k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache "
+                         f"(Hkv={cache.num_kv_heads}, D={cache.head_dim})")
+    if n == 0:
+        return
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        k, v = k.contiguous(), v.contiguous()
+    if side_slots is None:
+        side_slots = torch.full((n,), -1, dtype=torch.int64, device=k.device)
+    hmat = hadamard_matrix(d, device=k.device)
+    c = cache
+    _store_kernel[(triton.cdiv(n, block_t), hkv)](
+        k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        slots, side_slots, hmat,
+        c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale,
+        c.k_codes.stride(0), c.k_codes.stride(1), c.k_meta.stride(0), c.k_meta.stride(1),
+        c.k_side.stride(0), c.k_side.stride(1), c.k_side_scale.stride(0), c.k_side_scale.stride(1),
+        n, HALF=d // 2, BLOCK_T=block_t, ROTATE=rotate,
+    )

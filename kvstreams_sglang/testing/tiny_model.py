@@ -1,0 +1,77 @@
+"""A tiny randomly initialised Qwen3 checkpoint, written to disk in the Hugging Face layout.
+
+Tests and demos need a real model directory (config, safetensors weights, tokenizer, chat
+template) that loads through the same code paths as a production Qwen3 checkpoint, but builds
+offline in well under a second. ``head_dim`` defaults to 128 because that is what the KV4 kernels
+are written for (Qwen3's head size), even though ``hidden_size`` is tiny.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+
+from kvstreams_sglang.testing.byte_tokenizer import ENDOFTEXT, IM_END, build_byte_tokenizer
+
+VOCAB_MULTIPLE = 64  # embedding rows padded like real checkpoints; ids past the tokenizer are never produced
+
+
+def build_tiny_model(
+    path: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 128,
+    vocab: str = "bytes",
+    seed: int = 0,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 32768,
+    rope_theta: float = 1e6,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
+    """Write a random Qwen3ForCausalLM plus byte tokenizer to ``path`` and return it.
+
+    Weights depend only on ``seed`` and the shapes; the caller's global RNG state is left untouched.
+    """
+    if vocab != "bytes":
+        raise ValueError(f"unsupported vocab {vocab!r}; only 'bytes' is available offline")
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = build_byte_tokenizer(path)
+    vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    # Qwen convention: <|endoftext|> doubles as bos and pad; chat turns end with <|im_end|>.
+    endoftext_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    im_end_id = tokenizer.convert_tokens_to_ids(IM_END)
+
+    config = Qwen3Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or 3 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings,
+        rope_theta=rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=endoftext_id,
+        eos_token_id=im_end_id,
+        pad_token_id=endoftext_id,
+        dtype=dtype,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config).to(dtype)
+    model.generation_config = GenerationConfig(
+        bos_token_id=endoftext_id,
+        eos_token_id=im_end_id,
+        pad_token_id=endoftext_id,
+        max_new_tokens=64,
+    )
+    model.save_pretrained(path)
+    return path

@@ -1,0 +1,23 @@
+"""Shared test setup: offline Hugging Face, Triton's CPU interpreter when there is no GPU, and one
+tiny model per session."""
+
+import os
+
+import pytest
+import torch
+
+# Set before any test module is imported: huggingface_hub reads the offline flags when it is first
+# imported, and Triton decides interpreter-vs-compiled when a kernel is decorated, not per call.
+# Nothing above imports either.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tmp_path_factory):
+    """Default tiny Qwen3 (2 layers, 4 heads, 2 KV heads, head_dim 128), built once per session."""
+    from kvstreams_sglang.testing import build_tiny_model  # after the env flags above
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
