@@ -21,3 +21,10 @@ def tiny_model_path(tmp_path_factory):
     from kvstreams_sglang.testing import build_tiny_model  # after the env flags above
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where kernel tests run: the GPU when there is one (compiled Triton), else the CPU
+    (Triton's interpreter). The same specifications hold on both."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -13,7 +13,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def filled_cache(lengths, *, hkv=2, d=128, sink=16, recent=128, seed=0, shuffle=True, rotate=True):
+def filled_cache(lengths, *, hkv=2, d=128, sink=16, recent=128, seed=0, shuffle=True, rotate=True, device="cpu"):
     """Requests of the given lengths stored at shuffled slots; returns the cache, the
     CSR metadata of both regions, and the raw K/V per request."""
     g = torch.Generator().manual_seed(seed)
@@ -43,4 +43,6 @@ def filled_cache(lengths, *, hkv=2, d=128, sink=16, recent=128, seed=0, shuffle=
         side_indptr=torch.tensor(side_ptr, dtype=torch.int32),
         side_indices=torch.cat(side_idx).to(torch.int32),
     )
-    return cache, meta, raw
+    cache = KV4LayerCache(**{name: t.to(device) for name, t in vars(cache).items()})
+    meta = {name: t.to(device) for name, t in meta.items()}
+    return cache, meta, [(k.to(device), v.to(device)) for k, v in raw]

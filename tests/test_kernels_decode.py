@@ -18,9 +18,9 @@ from kvstreams_sglang.kv4.reference import decode_reference
         ([180, 181], 4, 4, 1),  # MHA
     ],
 )
-def test_decode_kernel_matches_reference(lengths, hq, hkv, splits):
-    cache, meta, _ = filled_cache(lengths, hkv=hkv, seed=len(lengths) + hq)
-    q = torch.randn(len(lengths), hq, 128)
+def test_decode_kernel_matches_reference(lengths, hq, hkv, splits, device):
+    cache, meta, _ = filled_cache(lengths, hkv=hkv, seed=len(lengths) + hq, device=device)
+    q = torch.randn(len(lengths), hq, 128, device=device)
     plan = plan_decode(**meta, num_kv_heads=hkv, num_splits=splits, block_n=32)
     out, lse = kv4_decode(q, cache, plan, return_lse=True)
     ref_out, ref_lse = decode_reference(q, cache, **meta)
@@ -28,8 +28,8 @@ def test_decode_kernel_matches_reference(lengths, hq, hkv, splits):
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
-def test_decode_kernel_without_rotation_matches_reference():
-    cache, meta, _ = filled_cache([260], hkv=2, rotate=False)
-    q = torch.randn(1, 4, 128)
+def test_decode_kernel_without_rotation_matches_reference(device):
+    cache, meta, _ = filled_cache([260], hkv=2, rotate=False, device=device)
+    q = torch.randn(1, 4, 128, device=device)
     plan = plan_decode(**meta, num_kv_heads=2, num_splits=2, block_n=32)
     assert rel_l2(kv4_decode(q, cache, plan, rotate=False), decode_reference(q, cache, **meta, rotate=False)[0]) <= 1e-3

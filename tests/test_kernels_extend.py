@@ -16,11 +16,11 @@ from kvstreams_sglang.kv4.reference import extend_reference
         ([150], [1], 6, 3),  # one new token behaves like decode
     ],
 )
-def test_extend_kernel_matches_reference(prefix, new, hq, hkv):
-    cache, meta, _ = filled_cache(prefix, hkv=hkv, seed=sum(new))
+def test_extend_kernel_matches_reference(prefix, new, hq, hkv, device):
+    cache, meta, _ = filled_cache(prefix, hkv=hkv, seed=sum(new), device=device)
     n = sum(new)
-    qo_indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
-    q, k_new, v_new = torch.randn(n, hq, 128), torch.randn(n, hkv, 128), torch.randn(n, hkv, 128)
+    qo_indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    q, k_new, v_new = (torch.randn(n, h, 128, device=device) for h in (hq, hkv, hkv))
     out = kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, block_r=16, block_n=32)
     ref = extend_reference(q, k_new, v_new, qo_indptr, cache, **meta)
     assert rel_l2(out, ref) <= 1e-3

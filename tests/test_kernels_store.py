@@ -10,13 +10,13 @@ from kvstreams_sglang.kv4.reference import store_reference
 
 
 @pytest.mark.parametrize("n,hkv,rotate", [(1, 1, True), (21, 2, True), (40, 4, False)])
-def test_store_kernel_matches_reference_at_shuffled_slots(n, hkv, rotate):
+def test_store_kernel_matches_reference_at_shuffled_slots(n, hkv, rotate, device):
     torch.manual_seed(n)
     d, num_slots = 128, 64
-    k, v = torch.randn(n, hkv, d) * 3, torch.randn(n, hkv, d)
-    slots = torch.randperm(num_slots)[:n]
-    side = torch.where(torch.rand(n) < 0.5, torch.randperm(n), torch.full((n,), -1))
-    ours, ref = (KV4LayerCache.empty(num_slots, n, hkv, d) for _ in range(2))
+    k, v = torch.randn(n, hkv, d, device=device) * 3, torch.randn(n, hkv, d, device=device)
+    slots = torch.randperm(num_slots, device=device)[:n]
+    side = torch.where(torch.rand(n) < 0.5, torch.randperm(n), torch.full((n,), -1)).to(device)
+    ours, ref = (KV4LayerCache.empty(num_slots, n, hkv, d, device=device) for _ in range(2))
     kv4_store(ours, k, v, slots, side, rotate=rotate)
     store_reference(ref, k, v, slots, side, rotate=rotate)
 
@@ -30,7 +30,7 @@ def test_store_kernel_matches_reference_at_shuffled_slots(n, hkv, rotate):
     assert rel_l2(dequantize_int8(ours.int8_k(used)), dequantize_int8(ref.int8_k(used))) <= 1e-3
     assert torch.equal(ours.v_side[used], ref.v_side[used])
     # Untouched slots stay untouched.
-    free = torch.ones(num_slots, dtype=torch.bool)
+    free = torch.ones(num_slots, dtype=torch.bool, device=device)
     free[slots] = False
     assert int(ours.k_codes[free].abs().sum()) == 0 and int(ours.k_meta[free].abs().sum()) == 0
 

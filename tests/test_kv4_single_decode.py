@@ -36,10 +36,10 @@ def dequantized_cache(k, v, sink, recent):
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("length,hq,hkv", [(1, 4, 2), (90, 4, 4), (700, 8, 2)])
-def test_single_decode_matches_float64_attention_over_its_dequantized_cache(impl, length, hq, hkv):
+def test_single_decode_matches_float64_attention_over_its_dequantized_cache(impl, length, hq, hkv, device):
     torch.manual_seed(length + hq)
     q, k, v = torch.randn(hq, 128), torch.randn(length, hkv, 128), torch.randn(length, hkv, 128)
-    out = single_decode(q, k, v, impl=impl)
+    out = single_decode(q.to(device), k.to(device), v.to(device), impl=impl).cpu()
     k_hat, v_hat = dequantized_cache(k, v, 16, 128)
     ref = exact_attention(hadamard(q.double()), k_hat, v_hat)  # unquantised, rotated query
     err = rel_l2(out, ref)
@@ -47,10 +47,10 @@ def test_single_decode_matches_float64_attention_over_its_dequantized_cache(impl
     assert err <= 2e-2
 
 
-def test_error_against_unquantized_attention_is_the_4bit_storage_error():
+def test_error_against_unquantized_attention_is_the_4bit_storage_error(device):
     torch.manual_seed(0)
     q, k, v = torch.randn(8, 128), torch.randn(2048, 2, 128), torch.randn(2048, 2, 128)
-    err = rel_l2(single_decode(q, k, v, impl="triton"), exact_attention(q, k, v))
+    err = rel_l2(single_decode(q.to(device), k.to(device), v.to(device), impl="triton").cpu(), exact_attention(q, k, v))
     print(f"Gaussian data, L=2048: rel L2 vs exact float64 attention = {err:.3f}")
     assert err < 0.2
 
@@ -70,11 +70,12 @@ def sink_dominated_input(length=600, hq=8, hkv=2, seed=0):
     return q, k, v
 
 
-def test_protected_sinks_are_at_least_5x_closer_to_exact():
+def test_protected_sinks_are_at_least_5x_closer_to_exact(device):
     q, k, v = sink_dominated_input()
     exact = exact_attention(q, k, v)
-    protected = rel_l2(single_decode(q, k, v, sink=16, recent=128, impl="triton"), exact)
-    int4_only = rel_l2(single_decode(q, k, v, sink=0, recent=0, impl="triton"), exact)
+    qd, kd, vd = q.to(device), k.to(device), v.to(device)
+    protected = rel_l2(single_decode(qd, kd, vd, sink=16, recent=128, impl="triton").cpu(), exact)
+    int4_only = rel_l2(single_decode(qd, kd, vd, sink=0, recent=0, impl="triton").cpu(), exact)
     print(f"sink-dominated input: protected (sink=16, recent=128) {protected:.4f}, INT4 everywhere {int4_only:.4f}, "
           f"ratio {int4_only / protected:.1f}x")
     assert int4_only >= 5 * protected

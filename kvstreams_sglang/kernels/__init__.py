@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from .decode import DecodePlan, kv4_decode, plan_decode
 from .extend import kv4_extend
+from .quantize import kv4_quantize_query
 from .store import kv4_store
 
-__all__ = ["DecodePlan", "kv4_decode", "kv4_extend", "kv4_store", "plan_decode"]
+__all__ = ["DecodePlan", "kv4_decode", "kv4_extend", "kv4_quantize_query", "kv4_store", "plan_decode"]

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..kv4.cache import KV4LayerCache
-from ..kv4.reference import quantize_query
+from .quantize import kv4_quantize_query
 
 LOG2E = 1.4426950408889634
 
@@ -170,6 +170,8 @@ class DecodePlan:
     num_splits: int
     chunk: int  # INT4 slots per split, a multiple of block_n
     block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
 
     @property
     def batch_size(self) -> int:
@@ -178,7 +180,8 @@ class DecodePlan:
 
 def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: torch.Tensor,
                 side_indices: torch.Tensor, *, num_kv_heads: int, num_splits: int | None = None,
-                block_n: int = 64, target_programs: int = 1024) -> DecodePlan:
+                block_n: int = 64, target_programs: int = 1024, num_warps: int = 4,
+                num_stages: int = 2) -> DecodePlan:
     """Build the decode metadata once per step (one host sync for the longest INT4 list).
 
     ``num_splits`` defaults to enough splits to give ``target_programs`` programs (several
@@ -192,7 +195,7 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
         num_splits = max(1, min(want, triton.cdiv(max_len, block_n)))
     chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
     return DecodePlan(kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
-                      num_splits, chunk, block_n)
+                      num_splits, chunk, block_n, num_warps, num_stages)
 
 
 def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_scale: float | None = None,
@@ -206,7 +209,7 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
                          f"and plan batch {plan.batch_size}")
     group = hq // hkv
     sm_scale = sm_scale if sm_scale is not None else d ** -0.5
-    q8 = quantize_query(q, rotate=rotate)  # [B, Hq, D] int8 + [B, Hq] fp16 scale
+    q8 = kv4_quantize_query(q, rotate=rotate)  # [B, Hq, D] int8 + [B, Hq] fp16 scale
     codes, qscale = q8.codes.contiguous(), q8.scale.contiguous()
     parts = plan.num_splits + 1
     part_out = torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=q.device)
@@ -222,7 +225,7 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
         part_lse.stride(0), part_lse.stride(1),
         sm_scale * LOG2E, plan.chunk,
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=plan.block_n, HALF=d // 2,
-        NUM_SPLITS=plan.num_splits,
+        NUM_SPLITS=plan.num_splits, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     out_dtype = torch.float32 if q.dtype == torch.float64 else q.dtype
     out = torch.empty(bsz, hq, d, dtype=out_dtype, device=q.device)

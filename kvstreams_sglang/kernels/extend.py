@@ -15,8 +15,8 @@ import triton
 import triton.language as tl
 
 from ..kv4.cache import KV4LayerCache
-from ..kv4.reference import quantize_query
 from .decode import LOG2E
+from .quantize import kv4_quantize_query
 
 
 @triton.jit
@@ -160,7 +160,7 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
     sm_scale = sm_scale if sm_scale is not None else d ** -0.5
     compute = torch.float32 if q.dtype == torch.float64 else q.dtype
     qc, kc, vc = (x.to(compute).contiguous() for x in (q, k_new, v_new))
-    q8 = quantize_query(q, rotate=rotate)
+    q8 = kv4_quantize_query(q, rotate=rotate)
     codes, qscale = q8.codes.contiguous(), q8.scale.contiguous()
     out = torch.empty(n, hq, d, dtype=compute, device=q.device)
     if n == 0:

@@ -15,32 +15,7 @@ import triton.language as tl
 
 from ..kv4.cache import KV4LayerCache
 from ..kv4.hadamard import hadamard_matrix
-
-
-@triton.jit
-def _int4_codes(x_lo, x_hi):
-    """Per-row asymmetric INT4 of a vector given as two halves ``[T, D/2]``."""
-    lo = tl.minimum(tl.min(x_lo, 1), tl.min(x_hi, 1))
-    hi = tl.maximum(tl.max(x_lo, 1), tl.max(x_hi, 1))
-    scale = ((hi - lo) / 15.0).to(tl.float16)
-    scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
-    offset = lo.to(tl.float16)
-    s32, o32 = scale.to(tl.float32)[:, None], offset.to(tl.float32)[:, None]
-    c_lo = tl.clamp(tl.floor(tl.math.div_rn(x_lo - o32, s32) + 0.5), 0.0, 15.0).to(tl.uint8)
-    c_hi = tl.clamp(tl.floor(tl.math.div_rn(x_hi - o32, s32) + 0.5), 0.0, 15.0).to(tl.uint8)
-    return c_lo | (c_hi << 4), scale, offset
-
-
-@triton.jit
-def _int8_codes(x_lo, x_hi):
-    """Per-row symmetric INT8 of a vector given as two halves ``[T, D/2]``."""
-    amax = tl.maximum(tl.max(tl.abs(x_lo), 1), tl.max(tl.abs(x_hi), 1))
-    scale = (amax / 127.0).to(tl.float16)
-    scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
-    s32 = scale.to(tl.float32)[:, None]
-    c_lo = tl.clamp(tl.floor(tl.math.div_rn(x_lo, s32) + 0.5), -127.0, 127.0).to(tl.int8)
-    c_hi = tl.clamp(tl.floor(tl.math.div_rn(x_hi, s32) + 0.5), -127.0, 127.0).to(tl.int8)
-    return c_lo, c_hi, scale
+from .quantize import int4_codes, int8_codes, rotate_halves
 
 
 @triton.jit
@@ -62,22 +37,14 @@ def _store_kernel(
     k_hi = tl.load(K + t[:, None] * stride_kt + h * stride_kh + HALF + d[None, :], mask=row, other=0.0)
     k_hi = k_hi.to(tl.float32)
     if ROTATE:
-        # x H = [x_lo, x_hi] @ [[H00, H01], [H10, H11]]: each output half is two dots.
-        e = tl.arange(0, HALF)
-        h00 = tl.load(Hmat + e[:, None] * (2 * HALF) + d[None, :])
-        h01 = tl.load(Hmat + e[:, None] * (2 * HALF) + HALF + d[None, :])
-        h10 = tl.load(Hmat + (HALF + e[:, None]) * (2 * HALF) + d[None, :])
-        h11 = tl.load(Hmat + (HALF + e[:, None]) * (2 * HALF) + HALF + d[None, :])
-        r_lo = tl.dot(k_lo, h00, input_precision="ieee") + tl.dot(k_hi, h10, input_precision="ieee")
-        r_hi = tl.dot(k_lo, h01, input_precision="ieee") + tl.dot(k_hi, h11, input_precision="ieee")
-        k_lo, k_hi = r_lo, r_hi
+        k_lo, k_hi = rotate_halves(k_lo, k_hi, Hmat, HALF)
     v_lo = tl.load(V + t[:, None] * stride_vt + h * stride_vh + d[None, :], mask=row, other=0.0).to(tl.float32)
     v_hi = tl.load(V + t[:, None] * stride_vt + h * stride_vh + HALF + d[None, :], mask=row, other=0.0)
     v_hi = v_hi.to(tl.float32)
 
     slot = tl.load(Slots + t, mask=tmask, other=0).to(tl.int64)
-    kc, ks, ko = _int4_codes(k_lo, k_hi)
-    vc, vs, vo = _int4_codes(v_lo, v_hi)
+    kc, ks, ko = int4_codes(k_lo, k_hi)
+    vc, vs, vo = int4_codes(v_lo, v_hi)
     tl.store(KCodes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], kc, mask=row)
     tl.store(VCodes + slot[:, None] * stride_cs + h * stride_ch + d[None, :], vc, mask=row)
     meta = slot * stride_ms + h * stride_mh
@@ -90,8 +57,8 @@ def _store_kernel(
     smask = tmask & (side >= 0)
     srow = smask[:, None]
     side = tl.where(smask, side, 0)
-    k8_lo, k8_hi, k8s = _int8_codes(k_lo, k_hi)
-    v8_lo, v8_hi, v8s = _int8_codes(v_lo, v_hi)
+    k8_lo, k8_hi, k8s = int8_codes(k_lo, k_hi)
+    v8_lo, v8_hi, v8s = int8_codes(v_lo, v_hi)
     base = side[:, None] * stride_ss + h * stride_sh + d[None, :]
     tl.store(KSide + base, k8_lo, mask=srow)
     tl.store(KSide + base + HALF, k8_hi, mask=srow)

@@ -1,0 +1,1 @@
+"""Benchmarks (GPU for absolute times; each compares ours against a baseline in one run)."""

@@ -1,0 +1,87 @@
+"""In-register quantisers shared by the KV4 kernels, and the query-preparation kernel.
+
+Vectors are handled as two halves ``[rows, D/2]`` (the split-half order of the INT4
+packing), so rotation, INT4 and INT8 codes never need to interleave a tile. Rounding is
+``floor(v + 0.5)`` with IEEE division, as in ``kv4.quant``, so kernels and the torch
+reference produce the same codes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..kv4.hadamard import hadamard_matrix
+from ..kv4.quant import Int8Tensor
+
+
+@triton.jit
+def rotate_halves(x_lo, x_hi, Hmat, HALF: tl.constexpr):
+    """``[x_lo, x_hi] @ H`` with ``H = [[H00, H01], [H10, H11]]``: each output half is two dots."""
+    e = tl.arange(0, HALF)
+    d = tl.arange(0, HALF)
+    h00 = tl.load(Hmat + e[:, None] * (2 * HALF) + d[None, :])
+    h01 = tl.load(Hmat + e[:, None] * (2 * HALF) + HALF + d[None, :])
+    h10 = tl.load(Hmat + (HALF + e[:, None]) * (2 * HALF) + d[None, :])
+    h11 = tl.load(Hmat + (HALF + e[:, None]) * (2 * HALF) + HALF + d[None, :])
+    r_lo = tl.dot(x_lo, h00, input_precision="ieee") + tl.dot(x_hi, h10, input_precision="ieee")
+    r_hi = tl.dot(x_lo, h01, input_precision="ieee") + tl.dot(x_hi, h11, input_precision="ieee")
+    return r_lo, r_hi
+
+
+@triton.jit
+def int4_codes(x_lo, x_hi):
+    """Per-row asymmetric INT4 of a vector given as two halves ``[T, D/2]``."""
+    lo = tl.minimum(tl.min(x_lo, 1), tl.min(x_hi, 1))
+    hi = tl.maximum(tl.max(x_lo, 1), tl.max(x_hi, 1))
+    scale = ((hi - lo) / 15.0).to(tl.float16)
+    scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
+    offset = lo.to(tl.float16)
+    s32, o32 = scale.to(tl.float32)[:, None], offset.to(tl.float32)[:, None]
+    c_lo = tl.clamp(tl.floor(tl.math.div_rn(x_lo - o32, s32) + 0.5), 0.0, 15.0).to(tl.uint8)
+    c_hi = tl.clamp(tl.floor(tl.math.div_rn(x_hi - o32, s32) + 0.5), 0.0, 15.0).to(tl.uint8)
+    return c_lo | (c_hi << 4), scale, offset
+
+
+@triton.jit
+def int8_codes(x_lo, x_hi):
+    """Per-row symmetric INT8 of a vector given as two halves ``[T, D/2]``."""
+    amax = tl.maximum(tl.max(tl.abs(x_lo), 1), tl.max(tl.abs(x_hi), 1))
+    scale = (amax / 127.0).to(tl.float16)
+    scale = tl.where(scale == 0, 1.0, scale.to(tl.float32)).to(tl.float16)
+    s32 = scale.to(tl.float32)[:, None]
+    c_lo = tl.clamp(tl.floor(tl.math.div_rn(x_lo, s32) + 0.5), -127.0, 127.0).to(tl.int8)
+    c_hi = tl.clamp(tl.floor(tl.math.div_rn(x_hi, s32) + 0.5), -127.0, 127.0).to(tl.int8)
+    return c_lo, c_hi, scale
+
+
+@triton.jit
+def _query_kernel(Q, stride_qr, Hmat, Codes, Scale, R, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ROTATE: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    d = tl.arange(0, HALF)
+    x_lo = tl.load(Q + r[:, None] * stride_qr + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    x_hi = tl.load(Q + r[:, None] * stride_qr + HALF + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    if ROTATE:
+        x_lo, x_hi = rotate_halves(x_lo, x_hi, Hmat, HALF)
+    c_lo, c_hi, scale = int8_codes(x_lo, x_hi)
+    tl.store(Codes + r[:, None] * (2 * HALF) + d[None, :], c_lo, mask=rmask[:, None])
+    tl.store(Codes + r[:, None] * (2 * HALF) + HALF + d[None, :], c_hi, mask=rmask[:, None])
+    tl.store(Scale + r, scale, mask=rmask)
+
+
+def kv4_quantize_query(q: torch.Tensor, *, rotate: bool = True, block_r: int = 16) -> Int8Tensor:
+    """Rotate and INT8-quantise queries ``[..., D]`` in one launch (``reference.quantize_query``)."""
+    d = q.shape[-1]
+    rows = q.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    codes = torch.empty(rows.shape, dtype=torch.int8, device=q.device)
+    scale = torch.empty(rows.shape[0], dtype=torch.float16, device=q.device)
+    if rows.shape[0]:
+        _query_kernel[(triton.cdiv(rows.shape[0], block_r),)](
+            rows, rows.stride(0), hadamard_matrix(d, device=q.device), codes, scale, rows.shape[0],
+            HALF=d // 2, BLOCK_R=block_r, ROTATE=rotate)
+    return Int8Tensor(codes.view(q.shape), scale.view(q.shape[:-1]))
