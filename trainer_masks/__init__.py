@@ -1,3 +1,9 @@
-"""Trainer side of KV-streams: attention masks that reproduce, at training time, exactly what the
-inference engine saw after in-place eviction (token q attends to key k iff ``k <= q < death[k]``).
+"""Trainer side: replay KV streams (with their evictions) in one forward pass.
+
+Episode -> ``StreamRecord`` (token stream, positions, death indices, loss mask) ->
+attention mask (``k <= q < death[k]``) -> masked forward -> per-token logprobs.
 """
+
+from .record import EvictionEvent, Source, StreamRecord, Turn
+
+__all__ = ["EvictionEvent", "Source", "StreamRecord", "Turn"]

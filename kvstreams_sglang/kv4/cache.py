@@ -93,6 +93,8 @@ def int4_bytes_per_vector(head_dim: int) -> int:
 
 
 def side_slot(row: int, position: int, *, sink: int, recent: int) -> int:
-    """INT8 side slot of a protected logical ``position`` of sequence ``row``."""
+    """INT8 side slot of a protected logical ``position`` of sequence ``row`` (-1: none)."""
     base = row * (sink + recent)
-    return base + position if position < sink else base + sink + position % recent
+    if position < sink:
+        return base + position
+    return base + sink + position % recent if recent else -1

@@ -1,0 +1,84 @@
+"""Attention over KV streams, plugged into Hugging Face models as a registered attention
+function (no model code is rewritten).
+
+HF computes q/k/v projections, norms and RoPE (at the explicit ``position_ids`` we pass,
+i.e. stream positions), then calls ``ALL_ATTENTION_FUNCTIONS["kvstreams"]`` with the new
+tokens' ``query [1, Hq, N, D]``, ``key/value [1, Hkv, N, D]``. The function finds the
+step's ``ForwardBatch`` and the storage backend in its kwargs, writes the new KV into the
+pool and attends over each stream's kept slots. Two backends:
+
+- ``FullPrecisionBackend``: pool in the model dtype, gather + SDPA (exact reference path).
+- ``KV4Backend``: KV4-RL storage through the Triton kernels (store / extend / decode).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import kv4_decode, kv4_extend, kv4_store, plan_decode
+from ..streams import FullPrecisionPool, KV4Pool
+from .batch import ForwardBatch, StepItem, build_full_precision_batch, build_kv4_batch
+
+ATTENTION_NAME = "kvstreams"
+
+
+class FullPrecisionBackend:
+    def __init__(self, pool: FullPrecisionPool):
+        self.pool = pool
+
+    def prepare(self, items: list[StepItem], mode, device) -> ForwardBatch:
+        return build_full_precision_batch(items, mode, device)
+
+    def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
+        # q [N, Hq, D], k/v [N, Hkv, D] -> out [N, Hq, D]
+        kp, vp = self.pool.k[layer], self.pool.v[layer]
+        kp[fb.out_slots] = k.to(kp.dtype)
+        vp[fb.out_slots] = v.to(vp.dtype)
+        keys = kp[fb.kv_gather].transpose(1, 2)  # [B, Hkv, L, D]
+        vals = vp[fb.kv_gather].transpose(1, 2)
+        qs = q[fb.q_gather].transpose(1, 2)  # [B, Hq, M, D]
+        out = F.scaled_dot_product_attention(qs, keys.to(q.dtype), vals.to(q.dtype), attn_mask=fb.attn_mask,
+                                             scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2)[fb.q_valid]  # [N, Hq, D]
+
+
+class KV4Backend:
+    def __init__(self, pool: KV4Pool):
+        self.pool = pool
+
+    def prepare(self, items: list[StepItem], mode, device) -> ForwardBatch:
+        fb = build_kv4_batch(items, mode, self.pool, device)
+        if mode == "decode":
+            fb.decode_plan = plan_decode(**fb.kv4, num_kv_heads=self.pool.layers[0].num_kv_heads)
+        return fb
+
+    def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
+        cache = self.pool.layers[layer]
+        if fb.mode == "decode":
+            kv4_store(cache, k, v, fb.out_slots, fb.side_slots)
+            return kv4_decode(q, cache, fb.decode_plan, sm_scale=scaling)
+        out = kv4_extend(q, k, v, fb.qo_indptr, cache, **fb.kv4, sm_scale=scaling)
+        kv4_store(cache, k, v, fb.out_slots, fb.side_slots)
+        return out
+
+
+def kvstreams_attention(module, query, key, value, attention_mask, scaling=None, kv_batch=None, kv_backend=None,
+                        **kwargs):
+    """HF attention-interface entry point: ``query [1, Hq, N, D]`` -> ``[1, N, Hq, D]``."""
+    if kv_batch is None or kv_backend is None:
+        raise RuntimeError("the 'kvstreams' attention needs kv_batch/kv_backend kwargs: run the model through "
+                           "kvstreams_sglang.engine, not directly")
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = kv_backend.forward(module.layer_idx, q, k, v, kv_batch, scale)
+    return out.to(query.dtype)[None], None
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, kvstreams_attention)
+    return ATTENTION_NAME

@@ -1,0 +1,236 @@
+"""The built-in engine: KV streams + continuous batching on a Hugging Face model.
+
+Used where SGLang cannot run (CPU, tests, demos) and as the reference for it. Verbs on a
+stream: ``open_stream`` / ``append`` (tokens become pending; they are prefilled lazily
+with the next generation, in one extend), ``generate`` (sync, one or many streams) /
+``agenerate`` (asyncio; all waiting streams are batched together), ``evict`` (in place,
+nothing re-prefilled), ``close``; and ``update_weights`` (no KV flush, bumps the policy
+version stamped on every sampled token). Scheduling follows nano-vllm: a step is either
+an extend of every stream with several pending tokens, or a decode of every stream with
+exactly one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from ..streams import FullPrecisionPool, KV4Pool, OutOfSlotsError, StreamTable
+from .attention import FullPrecisionBackend, KV4Backend
+from .batch import StepItem
+from .model_runner import ModelRunner
+from .sampling import SamplingParams, sample
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Literal["stop", "length"] = "length"
+
+
+@dataclass
+class EngineStats:
+    live_slots: int = 0
+    peak_slots: int = 0
+    tokens_prefilled: int = 0  # tokens computed in extend steps (prompts, observations, summaries' context)
+    tokens_decoded: int = 0  # tokens computed in decode steps
+    tokens_in_streams: int = 0  # sum over streams (open or closed) of tokens whose KV was computed
+    steps: int = 0
+    evicted_tokens: int = 0
+
+    @property
+    def tokens_reprefilled(self) -> int:
+        """Forward passes beyond one per stream token: 0 by construction of KV streams."""
+        return self.tokens_prefilled + self.tokens_decoded - self.tokens_in_streams
+
+
+@dataclass
+class _Request:
+    sid: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    out: Generation = field(default_factory=lambda: Generation([], []))
+    done: bool = False
+    future: asyncio.Future | None = None
+
+
+class Engine:
+    def __init__(self, model_path: str, *, kv_dtype: Literal["bf16", "kv4rl"] = "bf16", device="cpu",
+                 dtype: torch.dtype | None = None, max_tokens: int = 65536, max_streams: int = 256,
+                 sink: int = 16, recent: int = 128, max_prefill_tokens: int = 16384):
+        if kv_dtype not in ("bf16", "kv4rl"):
+            raise ValueError(f"kv_dtype must be 'bf16' or 'kv4rl', got {kv_dtype!r}")
+        self.device = torch.device(device)
+        self.runner = ModelRunner(model_path, device=self.device, dtype=dtype)
+        r = self.runner
+        self.kv_dtype = kv_dtype
+        if kv_dtype == "kv4rl":
+            pool = KV4Pool(r.num_layers, max_tokens, max_streams, r.num_kv_heads, r.head_dim, sink=sink,
+                           recent=recent, device=self.device)
+            self.backend = KV4Backend(pool)
+        else:
+            pool = FullPrecisionPool(r.num_layers, max_tokens, r.num_kv_heads, r.head_dim, dtype=r.dtype,
+                                     device=self.device)
+            self.backend = FullPrecisionBackend(pool)
+        self.pool = pool
+        self.table = StreamTable(max_tokens, max_streams)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.policy_version = 0
+        self.stats = EngineStats()
+        self._requests: dict[int, _Request] = {}
+        self._loop_task: asyncio.Task | None = None
+
+    # ---- stream verbs ----
+    def open_stream(self, token_ids: list[int]) -> int:
+        if not token_ids:
+            raise ValueError("open_stream needs at least one token")
+        return self.table.open(token_ids).sid
+
+    def append(self, sid: int, token_ids: list[int], *, source: Literal["env", "prompt"] = "env") -> None:
+        self._idle(sid, "append to")
+        self.table.get(sid).add(list(token_ids), source)
+
+    def evict(self, sid: int, spans) -> int:
+        """Free the KV of ``spans`` (``[start, end)`` stream positions) in place; returns the
+        number of tokens evicted. Invalid spans raise and change nothing."""
+        self._idle(sid, "evict from")
+        n = self.table.evict(sid, spans)
+        self.stats.evicted_tokens += n
+        self._update_slot_stats()
+        return n
+
+    def close(self, sid: int) -> None:
+        self._idle(sid, "close")
+        self.table.close(sid)
+        self._update_slot_stats()
+
+    def stream_record(self, sid: int, **meta):
+        from trainer_masks import StreamRecord
+
+        st = self.table.get(sid)
+        return StreamRecord(
+            token_ids=list(st.token_ids), positions=list(range(len(st.token_ids))), sources=list(st.sources),
+            loss_mask=[s == "model" for s in st.sources], logprobs=list(st.logprobs),
+            policy_versions=list(st.versions),
+            evictions=[dict(at_index=at, spans=spans) for at, spans in st.evictions],
+            meta={"kv_dtype": self.kv_dtype, **meta})
+
+    def live_tokens(self, sid: int) -> int:
+        return self.table.get(sid).num_live
+
+    def update_weights(self, state_dict: dict[str, torch.Tensor], *, version: int | None = None) -> int:
+        """Swap weights in place; every stream keeps its KV. Returns the new policy version."""
+        self.runner.update_weights(state_dict)
+        self.policy_version = self.policy_version + 1 if version is None else version
+        return self.policy_version
+
+    # ---- generation ----
+    def generate(self, sid: int, *, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
+                 top_k: int = 0, stop_token_ids=(), seed: int | None = None) -> Generation:
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), seed)
+        return self.generate_many([(sid, params)])[0]
+
+    def generate_many(self, requests: list[tuple[int, SamplingParams]]) -> list[Generation]:
+        """Generate for several streams at once (continuous batching)."""
+        if self._loop_task is not None and not self._loop_task.done():
+            raise RuntimeError("the async loop is running: use agenerate")
+        reqs = [self._submit(sid, params) for sid, params in requests]
+        while not all(r.done for r in reqs):
+            self.step()
+        return [r.out for r in reqs]
+
+    async def agenerate(self, sid: int, params: SamplingParams | None = None, **kw) -> Generation:
+        req = self._submit(sid, params or SamplingParams(**kw))
+        req.future = asyncio.get_running_loop().create_future()
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        return await req.future
+
+    async def _run_loop(self) -> None:
+        while self._requests:
+            try:
+                self.step()
+            except Exception as e:  # fail every waiter rather than hang them
+                for r in list(self._requests.values()):
+                    if r.future is not None and not r.future.done():
+                        r.future.set_exception(e)
+                self._requests.clear()
+                raise
+            await asyncio.sleep(0)  # let environments and other coroutines run between steps
+
+    def _submit(self, sid: int, params: SamplingParams) -> _Request:
+        st = self.table.get(sid)
+        if sid in self._requests:
+            raise RuntimeError(f"stream {sid} is already generating")
+        if not st.pending:
+            raise RuntimeError(f"stream {sid} has no pending token to continue from")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        req = _Request(sid, params, gen)
+        self._requests[sid] = req
+        return req
+
+    def _idle(self, sid: int, verb: str) -> None:
+        self.table.get(sid)
+        if sid in self._requests:
+            raise RuntimeError(f"cannot {verb} stream {sid} while it is generating")
+
+    # ---- one scheduler step ----
+    def step(self) -> None:
+        reqs = list(self._requests.values())
+        if not reqs:
+            return
+        extend = [r for r in reqs if len(self.table.get(r.sid).pending) > 1]
+        mode = "extend" if extend else "decode"
+        chosen = extend if extend else reqs
+        items, budget = [], self.max_prefill_tokens
+        for r in chosen:
+            st = self.table.get(r.sid)
+            n = len(st.pending)
+            if mode == "extend" and items and n > budget:
+                break
+            try:
+                slots = self.table.allocator.alloc(n)
+            except OutOfSlotsError:
+                if items:
+                    break
+                raise
+            items.append(StepItem(st, n, slots))
+            budget -= n
+        fb = self.backend.prepare(items, mode, self.device)
+        logits = self.runner.forward(fb, self.backend)
+        for b, it in enumerate(items):
+            it.stream.commit(it.slots)
+            self._sample(self._requests[it.stream.sid], logits[b])
+        n_new = sum(it.num_new for it in items)
+        if mode == "extend":
+            self.stats.tokens_prefilled += n_new
+        else:
+            self.stats.tokens_decoded += n_new
+        self.stats.tokens_in_streams += n_new
+        self.stats.steps += 1
+        self._update_slot_stats()
+
+    def _sample(self, req: _Request, logits: torch.Tensor) -> None:
+        tok, lp = sample(logits, req.params, req.generator)
+        self.table.get(req.sid).add_sampled(tok, lp, self.policy_version)
+        req.out.token_ids.append(tok)
+        req.out.logprobs.append(lp)
+        if tok in req.params.stop_token_ids:
+            req.out.finish_reason, req.done = "stop", True
+        elif len(req.out.token_ids) >= req.params.max_new_tokens:
+            req.out.finish_reason, req.done = "length", True
+        if req.done:
+            del self._requests[req.sid]
+            if req.future is not None and not req.future.done():
+                req.future.set_result(req.out)
+
+    def _update_slot_stats(self) -> None:
+        self.stats.live_slots = self.table.allocator.num_used
+        self.stats.peak_slots = max(self.stats.peak_slots, self.stats.live_slots)

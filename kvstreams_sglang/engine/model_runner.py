@@ -1,0 +1,65 @@
+"""Loads a Hugging Face decoder checkpoint and runs one ``ForwardBatch`` through it.
+
+All streams of a step are packed into one row ``[1, N]`` with explicit stream positions;
+HF's own mask construction is bypassed (we pass a ready mask mapping of ``None``) since
+attention is ours; only the last token of each stream goes through the LM head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import register
+from .batch import ForwardBatch
+
+
+def load_model(model_path: str, *, device, dtype: torch.dtype | None):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=register())
+    model.to(device).eval()
+    return model, config
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, *, device, dtype: torch.dtype | None = None):
+        self.device = torch.device(device)
+        self.model, self.config = load_model(model_path, device=self.device, dtype=dtype)
+        self.dtype = next(self.model.parameters()).dtype
+        text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
+        self.num_layers = text.num_hidden_layers
+        self.num_kv_heads = text.num_key_value_heads
+        self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.layer_types = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]))
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
+        """Returns logits ``[B, V]`` (float32) at each stream's last new token."""
+        out = self.model(
+            input_ids=fb.input_ids[None],
+            position_ids=fb.positions[None],
+            attention_mask={t: None for t in ("full_attention", "sliding_attention", *self.layer_types)},
+            use_cache=False,
+            logits_to_keep=fb.logits_indices,
+            kv_batch=fb,
+            kv_backend=backend,
+        )
+        return out.logits[0].float()
+
+    @torch.no_grad()
+    def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy new weights into the live parameters (no reallocation, KV untouched)."""
+        # remove_duplicate=False: a trainer's state dict names tied weights (lm_head / embeddings) twice.
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        params.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        unknown = [k for k in state_dict if k not in params]
+        if unknown:
+            raise KeyError(f"update_weights: unknown parameter names {unknown[:5]}")
+        for name, tensor in state_dict.items():
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            params[name].copy_(tensor)

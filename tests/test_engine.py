@@ -1,0 +1,176 @@
+"""The built-in engine: exact logprobs, in-place eviction, no re-prefill, no KV flush."""
+
+import asyncio
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvstreams_sglang.engine import Engine, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_path):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def hand_mask(record):
+    """Visibility by hand: causal, minus keys evicted before the query was computed."""
+    n = len(record.token_ids)
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    for ev in record.evictions:
+        for start, end in ev.spans:
+            mask[ev.at_index:, start:end] = False
+    return mask
+
+
+def reference_logprobs(model, record):
+    """HF forward of the whole stream with explicit positions and the hand-built mask."""
+    ids = torch.tensor(record.token_ids)[None]
+    pos = torch.tensor(record.positions)[None]
+    mask = hand_mask(record)[None, None]
+    with torch.no_grad():
+        logits = model(input_ids=ids, position_ids=pos,
+                       attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
+    lp = torch.log_softmax(logits.float(), -1)
+    return {i: float(lp[i - 1, record.token_ids[i]]) for i in range(1, len(record.token_ids))
+            if record.sources[i] == "model"}
+
+
+def max_diff(model, record):
+    ref = reference_logprobs(model, record)
+    return max(abs(ref[i] - record.logprobs[i]) for i in ref)
+
+
+def test_logprobs_without_eviction_equal_transformers(tiny_model_path, hf_model):
+    eng = Engine(str(tiny_model_path), max_tokens=2048)
+    sid = eng.open_stream(list(range(30, 90)))
+    eng.generate(sid, max_new_tokens=12, seed=0)
+    eng.append(sid, list(range(100, 120)))
+    eng.generate(sid, max_new_tokens=6, seed=1)
+    assert max_diff(hf_model, eng.stream_record(sid)) <= 1e-5
+
+
+def test_generation_after_eviction_equals_masked_reference(tiny_model_path, hf_model):
+    eng = Engine(str(tiny_model_path), max_tokens=2048)
+    sid = eng.open_stream(list(range(30, 70)))
+    eng.generate(sid, max_new_tokens=8, seed=0)
+    eng.append(sid, list(range(100, 130)))
+    eng.generate(sid, max_new_tokens=8, seed=1)
+    live = eng.live_tokens(sid)
+    assert eng.evict(sid, [(5, 25), (48, 60)]) == 32  # the sampled-but-pending last token stays
+    assert eng.live_tokens(sid) == live - 32
+    eng.append(sid, list(range(140, 150)))
+    eng.generate(sid, max_new_tokens=8, seed=2)
+    eng.evict(sid, [(30, 40)])
+    eng.generate(sid, max_new_tokens=5, seed=3)
+    rec = eng.stream_record(sid)
+    # 40 + 8 + 30 + 8 = 86 tokens, the last sampled one pending: at_index = 85 (then 85 + 1 + 10 + 8 - 1).
+    assert [ev.at_index for ev in rec.evictions] == [85, 103] and rec.positions == list(range(len(rec)))
+    assert max_diff(hf_model, rec) <= 1e-5
+
+
+def test_random_appends_and_evictions_never_reprefill(tiny_model_path, hf_model):
+    rng = random.Random(0)
+    eng = Engine(str(tiny_model_path), max_tokens=4096)
+    sid = eng.open_stream([rng.randrange(256) for _ in range(20)])
+    for turn in range(8):
+        eng.generate(sid, max_new_tokens=rng.randint(1, 6), seed=turn)
+        eng.append(sid, [rng.randrange(256) for _ in range(rng.randint(1, 15))])
+        st = eng.table.get(sid)
+        evictable = [p for p in st.positions if p >= 20]
+        if turn % 2 and len(evictable) > 4:
+            a = rng.choice(evictable[:-3])
+            eng.evict(sid, [(a, a + 1)] if a + 1 not in evictable else [(a, a + 2)])
+    eng.generate(sid, max_new_tokens=3, seed=99)
+    st = eng.table.get(sid)
+    assert eng.stats.tokens_reprefilled == 0
+    assert eng.stats.tokens_prefilled + eng.stats.tokens_decoded == st.num_computed
+    assert max_diff(hf_model, eng.stream_record(sid)) <= 1e-5
+
+
+def test_invalid_evict_leaves_stream_and_pool_unchanged(tiny_model_path):
+    eng = Engine(str(tiny_model_path), max_tokens=512)
+    sid = eng.open_stream(list(range(40)))
+    eng.generate(sid, max_new_tokens=4, seed=0)
+    st = eng.table.get(sid)
+    before = (list(st.slots), list(st.positions), eng.table.allocator.num_free, eng.pool.k[0].clone())
+    with pytest.raises(ValueError, match="pending"):
+        eng.evict(sid, [(10, 20), (40, 44)])  # the last sampled token (43) has no KV yet
+    assert (st.slots, st.positions, eng.table.allocator.num_free) == before[:3]
+    assert torch.equal(eng.pool.k[0], before[3])
+
+
+def test_batched_generation_equals_one_stream_at_a_time(tiny_model_path):
+    prompts = [list(range(30, 30 + n)) for n in (7, 25, 12)]
+    eng = Engine(str(tiny_model_path), max_tokens=2048)
+    sids = [eng.open_stream(p) for p in prompts]
+    together = eng.generate_many([(s, SamplingParams(max_new_tokens=9, seed=i)) for i, s in enumerate(sids)])
+    for i, p in enumerate(prompts):
+        solo = Engine(str(tiny_model_path), max_tokens=2048)
+        g = solo.generate(solo.open_stream(p), max_new_tokens=9, seed=i)
+        assert g.token_ids == together[i].token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, together[i].logprobs, strict=True)) <= 1e-5
+
+
+def test_async_streams_share_steps(tiny_model_path):
+    eng = Engine(str(tiny_model_path), max_tokens=4096)
+
+    async def episode(i):
+        sid = eng.open_stream(list(range(40 + i, 60 + i)))
+        out = []
+        for turn in range(3):
+            g = await eng.agenerate(sid, max_new_tokens=4 + i, seed=10 * i + turn)
+            out.append(g.token_ids)
+            eng.append(sid, [65 + turn] * 5)
+        return out
+
+    async def main():
+        return await asyncio.gather(*(episode(i) for i in range(6)))
+
+    outs = asyncio.run(main())
+    assert all(len(o) == 3 for o in outs)
+    decode_tokens = sum(4 + i for i in range(6)) * 3 - 6 * 3  # first token of each turn comes from an extend
+    assert eng.stats.steps < decode_tokens  # streams were batched, not run one by one
+
+
+def test_update_weights_keeps_kv_and_stamps_versions(tiny_model_path):
+    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    sid = eng.open_stream(list(range(50)))
+    eng.generate(sid, max_new_tokens=3, seed=0)
+    live, k_before = eng.live_tokens(sid), eng.pool.k[1].clone()
+    new = {n: p + 0.01 for n, p in eng.runner.model.named_parameters()}
+    assert eng.update_weights(new) == 1
+    assert eng.live_tokens(sid) == live and torch.equal(eng.pool.k[1], k_before)  # no flush
+    eng.generate(sid, max_new_tokens=3, seed=0)
+    rec = eng.stream_record(sid)
+    assert [v for v in rec.policy_versions if v is not None] == [0, 0, 0, 1, 1, 1]
+    with pytest.raises(KeyError, match="unknown"):
+        eng.update_weights({"not.a.weight": torch.zeros(1)})
+
+
+def test_sampling_is_seeded_and_respects_top_k(tiny_model_path):
+    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    a = eng.generate(eng.open_stream([1, 2, 3]), max_new_tokens=8, seed=7)
+    b = eng.generate(eng.open_stream([1, 2, 3]), max_new_tokens=8, seed=7)
+    assert a.token_ids == b.token_ids
+    greedy = eng.generate(eng.open_stream([1, 2, 3]), max_new_tokens=5, temperature=0)
+    top1 = eng.generate(eng.open_stream([1, 2, 3]), max_new_tokens=5, top_k=1, seed=3)
+    assert greedy.token_ids == top1.token_ids
+    stop = eng.generate(eng.open_stream([1, 2, 3]), max_new_tokens=50, stop_token_ids=[greedy.token_ids[0]],
+                        temperature=0)
+    assert stop.token_ids == greedy.token_ids[:1] and stop.finish_reason == "stop"
+
+
+def test_kv4rl_engine_tracks_the_bf16_engine(tiny_model_path, hf_model):
+    eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=1024, max_streams=4)
+    sid = eng.open_stream(list(range(30, 230)))  # longer than sink + recent: both regions in use
+    eng.generate(sid, max_new_tokens=4, seed=0)
+    eng.append(sid, list(range(100, 110)))
+    eng.evict(sid, [(20, 60)])
+    eng.generate(sid, max_new_tokens=4, seed=1)
+    rec = eng.stream_record(sid)
+    diff = max_diff(hf_model, rec)
+    print(f"kv4rl vs exact logprobs on a random tiny model: max abs diff {diff:.4f}")
+    assert diff < 0.1 and eng.stats.tokens_reprefilled == 0
