@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels import kv4_decode, kv4_extend, kv4_store, plan_decode
-from ..streams import FullPrecisionPool, KV4Pool
+from ..kernels import bf16_decode, kv4_decode, kv4_extend, kv4_store, plan_decode
+from ..streams import FullPrecisionPool, KV4Pool, SlotTable
 from .batch import ForwardBatch, StepItem, build_full_precision_batch, build_kv4_batch
 
 ATTENTION_NAME = "kvstreams"
@@ -27,14 +27,22 @@ class FullPrecisionBackend:
     def __init__(self, pool: FullPrecisionPool):
         self.pool = pool
 
-    def prepare(self, items: list[StepItem], mode, device) -> ForwardBatch:
-        return build_full_precision_batch(items, mode, device)
+    def prepare(self, items: list[StepItem], mode, table: SlotTable, device) -> ForwardBatch:
+        fb = build_full_precision_batch(items, mode, table, device)
+        if mode == "decode" and torch.device(device).type == "cuda":
+            # Paged Triton decode on the GPU; the gather + SDPA path stays the CPU reference.
+            empty = torch.zeros_like(fb.kv_indptr)
+            fb.decode_plan = plan_decode(fb.kv_indptr, fb.kv_indices, empty, empty[:0],
+                                         num_kv_heads=self.pool.k[0].shape[1])
+        return fb
 
     def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         # q [N, Hq, D], k/v [N, Hkv, D] -> out [N, Hq, D]
         kp, vp = self.pool.k[layer], self.pool.v[layer]
         kp[fb.out_slots] = k.to(kp.dtype)
         vp[fb.out_slots] = v.to(vp.dtype)
+        if fb.decode_plan is not None:
+            return bf16_decode(q, kp, vp, fb.decode_plan, sm_scale=scaling)
         keys = kp[fb.kv_gather].transpose(1, 2)  # [B, Hkv, L, D]
         vals = vp[fb.kv_gather].transpose(1, 2)
         qs = q[fb.q_gather].transpose(1, 2)  # [B, Hq, M, D]
@@ -47,8 +55,8 @@ class KV4Backend:
     def __init__(self, pool: KV4Pool):
         self.pool = pool
 
-    def prepare(self, items: list[StepItem], mode, device) -> ForwardBatch:
-        fb = build_kv4_batch(items, mode, self.pool, device)
+    def prepare(self, items: list[StepItem], mode, table: SlotTable, device) -> ForwardBatch:
+        fb = build_kv4_batch(items, mode, table, self.pool, device)
         if mode == "decode":
             fb.decode_plan = plan_decode(**fb.kv4, num_kv_heads=self.pool.layers[0].num_kv_heads)
         return fb

@@ -4,6 +4,9 @@ Built once per step (FlashInfer's ``plan``), read by every layer's attention. A 
 either *extend* (each stream computes all its pending tokens: prompts, appended
 observations, the last sampled token) or *decode* (each stream computes exactly one
 token, the one it just sampled). Each new token gets position = its stream index.
+
+Everything is derived on the device from the ``SlotTable`` rows (which already hold
+the new tokens' slots when the batch is built): no per-token Python work per step.
 """
 
 from __future__ import annotations
@@ -13,8 +16,7 @@ from typing import Literal
 
 import torch
 
-from ..kv4.regions import protected_mask
-from ..streams import KV4Pool, KVStream
+from ..streams import KV4Pool, KVStream, SlotTable
 
 
 @dataclass
@@ -34,11 +36,13 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [N] slots the new tokens' KV is written to
     qo_indptr: torch.Tensor  # [B+1] new tokens of stream b: [qo_indptr[b], qo_indptr[b+1])
     logits_indices: torch.Tensor  # [B] last new token of each stream (the one that samples)
-    # Full-precision attention: per stream, kept prefix slots then new slots, padded to [B, L].
+    # Full-precision attention: each stream's kept slots (new ones included), padded to [B, L].
     kv_gather: torch.Tensor | None = None  # [B, L]
     attn_mask: torch.Tensor | None = None  # [B, 1, M, L] bool
     q_gather: torch.Tensor | None = None  # [B, M] index into the N new tokens
     q_valid: torch.Tensor | None = None  # [B, M]
+    kv_indptr: torch.Tensor | None = None  # [B+1] CSR over all kept slots (paged full-precision decode)
+    kv_indices: torch.Tensor | None = None
     # KV4 attention: side slots of new tokens and the CSR lists of both regions.
     side_slots: torch.Tensor | None = None  # [N], -1 = no INT8 copy
     kv4: dict = field(default_factory=dict)  # kv_indptr, kv_indices, side_indptr, side_indices
@@ -49,75 +53,89 @@ class ForwardBatch:
         return self.qo_indptr.numel() - 1
 
 
-def _common(items: list[StepItem], mode, device) -> ForwardBatch:
-    ids, pos, slots, indptr = [], [], [], [0]
+@dataclass
+class _Rows:
+    rows: torch.Tensor  # [B]
+    slots: torch.Tensor  # [B, L] int32
+    positions: torch.Tensor  # [B, L] int32
+    valid_after: torch.Tensor  # [B, L] kept + new
+    valid_before: torch.Tensor  # [B, L] kept prefix only
+    computed_before: torch.Tensor  # [B]
+    num_new: torch.Tensor  # [B]
+
+
+def _common(items: list[StepItem], mode, table: SlotTable, device) -> tuple[ForwardBatch, _Rows]:
+    ids, slots, n_new, before, prefix, rows = [], [], [], [], [], []
     for it in items:
         st = it.stream
         ids.extend(st.token_ids[st.num_computed:st.num_computed + it.num_new])
-        pos.extend(range(st.num_computed, st.num_computed + it.num_new))
         slots.extend(it.slots)
-        indptr.append(indptr[-1] + it.num_new)
+        n_new.append(it.num_new)
+        before.append(st.num_computed)
+        prefix.append(len(st.slots))
+        rows.append(st.row)
+    lens_after = [p + n for p, n in zip(prefix, n_new, strict=True)]
     as_long = dict(dtype=torch.long, device=device)
-    qo = torch.tensor(indptr, dtype=torch.int32, device=device)
-    return ForwardBatch(mode=mode, input_ids=torch.tensor(ids, **as_long), positions=torch.tensor(pos, **as_long),
-                        out_slots=torch.tensor(slots, **as_long), qo_indptr=qo,
-                        logits_indices=(qo[1:] - 1).long())
+    n_new_t = torch.tensor(n_new, **as_long)
+    before_t = torch.tensor(before, **as_long)
+    qo = torch.zeros(len(items) + 1, dtype=torch.int32, device=device)
+    qo[1:] = torch.cumsum(n_new_t, 0)
+    stream_of = torch.repeat_interleave(torch.arange(len(items), device=device), n_new_t)  # [N]
+    positions = before_t[stream_of] + torch.arange(stream_of.numel(), device=device) - qo[:-1].long()[stream_of]
+    fb = ForwardBatch(mode=mode, input_ids=torch.tensor(ids, **as_long), positions=positions,
+                      out_slots=torch.tensor(slots, **as_long), qo_indptr=qo, logits_indices=(qo[1:] - 1).long())
+    rows_t = torch.tensor(rows, **as_long)
+    width = max(lens_after)
+    col = torch.arange(width, device=device)[None]
+    r = _Rows(rows=rows_t, slots=table.slots[rows_t, :width], positions=table.positions[rows_t, :width].long(),
+              valid_after=col < torch.tensor(lens_after, **as_long)[:, None],
+              valid_before=col < torch.tensor(prefix, **as_long)[:, None], computed_before=before_t, num_new=n_new_t)
+    return fb, r
 
 
-def build_full_precision_batch(items: list[StepItem], mode, device) -> ForwardBatch:
-    """Padded gather indices and masks: stream b's queries see its kept prefix and,
-    causally, its new tokens."""
-    fb = _common(items, mode, device)
-    bsz = len(items)
-    lens = [len(it.stream.slots) + it.num_new for it in items]
-    max_l, max_m = max(lens), max(it.num_new for it in items)
-    gather = torch.zeros(bsz, max_l, dtype=torch.long)
-    valid = torch.zeros(bsz, max_l, dtype=torch.bool)
-    q_gather = torch.zeros(bsz, max_m, dtype=torch.long)
-    q_valid = torch.zeros(bsz, max_m, dtype=torch.bool)
-    key_new_idx = torch.full((bsz, max_l), -1, dtype=torch.long)  # index among new tokens, -1 for prefix
-    for b, it in enumerate(items):
-        n_prefix = len(it.stream.slots)
-        gather[b, :lens[b]] = torch.tensor(it.stream.slots + it.slots, dtype=torch.long)
-        valid[b, :lens[b]] = True
-        key_new_idx[b, n_prefix:lens[b]] = torch.arange(it.num_new)
-        start = int(fb.qo_indptr[b])
-        q_gather[b, :it.num_new] = torch.arange(start, start + it.num_new)
-        q_valid[b, :it.num_new] = True
-    m = torch.arange(max_m)[None, :, None]  # [1, M, 1]
-    k_new = key_new_idx[:, None, :]  # [B, 1, L]
-    mask = valid[:, None, :] & ((k_new < 0) | (k_new <= m))  # [B, M, L]
-    fb.kv_gather, fb.attn_mask = gather.to(device), mask[:, None].to(device)
-    fb.q_gather, fb.q_valid = q_gather.to(device), q_valid.to(device)
+def _csr(select: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major selection of ``values [B, L]`` where ``select`` -> (indptr [B+1], indices)."""
+    indptr = torch.zeros(select.shape[0] + 1, dtype=torch.int32, device=select.device)
+    indptr[1:] = torch.cumsum(select.sum(1), 0)
+    return indptr, values[select].to(torch.int32)
+
+
+def build_full_precision_batch(items: list[StepItem], mode, table: SlotTable, device) -> ForwardBatch:
+    """Stream b's new token at position p sees every kept token of b at a position <= p."""
+    fb, r = _common(items, mode, table, device)
+    max_m = max(it.num_new for it in items)
+    m = torch.arange(max_m, device=device)[None]  # [1, M]
+    q_valid = m < r.num_new[:, None]
+    q_pos = r.computed_before[:, None] + m  # [B, M]
+    fb.kv_gather = r.slots.long()
+    fb.attn_mask = (r.valid_after[:, None, :] & (r.positions[:, None, :] <= q_pos[:, :, None]))[:, None]
+    fb.q_gather = torch.where(q_valid, fb.qo_indptr[:-1].long()[:, None] + m, 0)
+    fb.q_valid = q_valid
+    fb.kv_indptr, fb.kv_indices = _csr(r.valid_after, r.slots)
     return fb
 
 
-def build_kv4_batch(items: list[StepItem], mode, pool: KV4Pool, device) -> ForwardBatch:
+def build_kv4_batch(items: list[StepItem], mode, table: SlotTable, pool: KV4Pool, device) -> ForwardBatch:
     """Region lists per stream. Extend attends to the prefix as cached *before* the step
     (new tokens see each other in full precision, then are stored); decode stores the
     new token first and attends to everything, itself included."""
-    fb = _common(items, mode, device)
-    kv_ptr, side_ptr, kv_idx, side_idx, new_side = [0], [0], [], [], []
-    for it in items:
-        st = it.stream
-        new_pos = list(range(st.num_computed, st.num_computed + it.num_new))
-        end_after = st.num_computed + it.num_new
-        # INT8 copies: sinks, and the last `recent` positions written in this step.
-        new_side.extend(pool.side_slot(st.row, p) if (p < pool.sink or p >= end_after - pool.recent) else -1
-                        for p in new_pos)
-        if mode == "decode":
-            slots, positions, end = st.slots + it.slots, st.positions + new_pos, end_after
-        else:
-            slots, positions, end = st.slots, st.positions, st.num_computed
-        pos_t = torch.tensor(positions, dtype=torch.long)
-        prot = protected_mask(pos_t, end, sink=pool.sink, recent=pool.recent)
-        slots_t = torch.tensor(slots, dtype=torch.long)
-        kv_idx.append(slots_t[~prot])
-        side_idx.append(torch.tensor([pool.side_slot(st.row, int(p)) for p in pos_t[prot]], dtype=torch.long))
-        kv_ptr.append(kv_ptr[-1] + int((~prot).sum()))
-        side_ptr.append(side_ptr[-1] + int(prot.sum()))
-    i32 = dict(dtype=torch.int32, device=device)
-    fb.side_slots = torch.tensor(new_side, dtype=torch.long, device=device)
-    fb.kv4 = dict(kv_indptr=torch.tensor(kv_ptr, **i32), kv_indices=torch.cat(kv_idx).to(**i32),
-                  side_indptr=torch.tensor(side_ptr, **i32), side_indices=torch.cat(side_idx).to(**i32))
+    fb, r = _common(items, mode, table, device)
+    sink, recent = pool.sink, pool.recent
+
+    def side_slot(rows, pos):
+        ring = sink + pos % recent if recent else torch.full_like(pos, -1)
+        slot = rows * (sink + recent) + torch.where(pos < sink, pos, ring)
+        return torch.where((pos < sink) | (recent > 0), slot, -1)
+
+    end_after = r.computed_before + r.num_new  # [B]
+    stream_of = torch.repeat_interleave(torch.arange(len(items), device=device), r.num_new)
+    p_new = fb.positions
+    keep8 = (p_new < sink) | (p_new >= end_after[stream_of] - recent)  # the last `recent` written this step
+    fb.side_slots = torch.where(keep8, side_slot(r.rows[stream_of], p_new), -1)
+
+    valid, end = (r.valid_after, end_after) if mode == "decode" else (r.valid_before, r.computed_before)
+    protected = valid & ((r.positions < sink) | (r.positions >= end[:, None] - recent))
+    kv_indptr, kv_indices = _csr(valid & ~protected, r.slots)
+    side_indptr, side_indices = _csr(protected, side_slot(r.rows[:, None], r.positions))
+    fb.kv4 = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr, side_indices=side_indices)
     return fb

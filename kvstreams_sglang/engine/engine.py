@@ -18,11 +18,11 @@ from typing import Literal
 
 import torch
 
-from ..streams import FullPrecisionPool, KV4Pool, OutOfSlotsError, StreamTable
+from ..streams import FullPrecisionPool, KV4Pool, OutOfSlotsError, SlotTable, StreamTable
 from .attention import FullPrecisionBackend, KV4Backend
 from .batch import StepItem
 from .model_runner import ModelRunner
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample_batch
 
 
 @dataclass
@@ -61,7 +61,8 @@ class _Request:
 class Engine:
     def __init__(self, model_path: str, *, kv_dtype: Literal["bf16", "kv4rl"] = "bf16", device="cpu",
                  dtype: torch.dtype | None = None, max_tokens: int = 65536, max_streams: int = 256,
-                 sink: int = 16, recent: int = 128, max_prefill_tokens: int = 16384):
+                 sink: int = 16, recent: int = 128, max_prefill_tokens: int = 16384,
+                 max_context: int | None = None):
         if kv_dtype not in ("bf16", "kv4rl"):
             raise ValueError(f"kv_dtype must be 'bf16' or 'kv4rl', got {kv_dtype!r}")
         self.device = torch.device(device)
@@ -78,6 +79,7 @@ class Engine:
             self.backend = FullPrecisionBackend(pool)
         self.pool = pool
         self.table = StreamTable(max_tokens, max_streams)
+        self.slot_table = SlotTable(max_streams, max_context or min(max_tokens, 65536), self.device)
         self.max_prefill_tokens = max_prefill_tokens
         self.policy_version = 0
         self.stats = EngineStats()
@@ -99,13 +101,15 @@ class Engine:
         number of tokens evicted. Invalid spans raise and change nothing."""
         self._idle(sid, "evict from")
         n = self.table.evict(sid, spans)
+        st = self.table.get(sid)
+        self.slot_table.rewrite(st.row, st.slots, st.positions)
         self.stats.evicted_tokens += n
         self._update_slot_stats()
         return n
 
     def close(self, sid: int) -> None:
         self._idle(sid, "close")
-        self.table.close(sid)
+        self.slot_table.clear(self.table.close(sid).row)
         self._update_slot_stats()
 
     def stream_record(self, sid: int, **meta):
@@ -203,11 +207,15 @@ class Engine:
                 raise
             items.append(StepItem(st, n, slots))
             budget -= n
-        fb = self.backend.prepare(items, mode, self.device)
+        self.slot_table.append_batch([it.stream.row for it in items], [it.num_new for it in items],
+                                     [s for it in items for s in it.slots], [it.stream.num_computed for it in items])
+        fb = self.backend.prepare(items, mode, self.slot_table, self.device)
         logits = self.runner.forward(fb, self.backend)
-        for b, it in enumerate(items):
+        reqs = [self._requests[it.stream.sid] for it in items]
+        tokens, logprobs = sample_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        for it, req, tok, lp in zip(items, reqs, tokens, logprobs, strict=True):
             it.stream.commit(it.slots)
-            self._sample(self._requests[it.stream.sid], logits[b])
+            self._record_sample(req, tok, lp)
         n_new = sum(it.num_new for it in items)
         if mode == "extend":
             self.stats.tokens_prefilled += n_new
@@ -217,8 +225,7 @@ class Engine:
         self.stats.steps += 1
         self._update_slot_stats()
 
-    def _sample(self, req: _Request, logits: torch.Tensor) -> None:
-        tok, lp = sample(logits, req.params, req.generator)
+    def _record_sample(self, req: _Request, tok: int, lp: float) -> None:
         self.table.get(req.sid).add_sampled(tok, lp, self.policy_version)
         req.out.token_ids.append(tok)
         req.out.logprobs.append(lp)

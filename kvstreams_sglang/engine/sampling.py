@@ -33,23 +33,37 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> tuple[int, float]:
-    """One token from ``logits [V]`` (float32)."""
-    logits = logits.float()
-    temp = params.temperature if params.temperature > 0 else 1.0
-    logp = torch.log_softmax(logits / temp, dim=-1)
-    if params.temperature == 0:
-        tok = int(torch.argmax(logits))
-        return tok, float(logp[tok])
-    filtered = logp.clone()
+def _filter(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Mask a row of logprobs to its top-k / top-p set."""
+    out = logp.clone()
     if params.top_k:
-        kth = torch.topk(filtered, min(params.top_k, filtered.numel())).values[-1]
-        filtered[filtered < kth] = float("-inf")
+        kth = torch.topk(out, min(params.top_k, out.numel())).values[-1]
+        out[out < kth] = float("-inf")
     if params.top_p < 1.0:
-        sorted_lp, order = torch.sort(filtered, descending=True)
-        cum = torch.cumsum(sorted_lp.exp(), 0)
-        drop = cum - sorted_lp.exp() >= params.top_p  # keep the smallest prefix reaching top_p
-        filtered[order[drop]] = float("-inf")
-    probs = torch.softmax(filtered, dim=-1)
-    tok = int(torch.multinomial(probs, 1, generator=generator))
-    return tok, float(logp[tok])
+        sorted_lp, order = torch.sort(out, descending=True)
+        p = sorted_lp.exp()
+        drop = torch.cumsum(p, 0) - p >= params.top_p  # keep the smallest prefix reaching top_p
+        out[order[drop]] = float("-inf")
+    return out
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
+                 generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
+    """One token per row of ``logits [B, V]``; a single device-to-host sync for the batch."""
+    temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
+    logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # [B, V]
+    chosen = []
+    plain = [b for b, p in enumerate(params) if p.temperature > 0 and not p.top_k and p.top_p >= 1.0
+             and generators[b] is None]
+    plain_draw = torch.multinomial(logp[plain].exp(), 1)[:, 0] if plain else None
+    for b, p in enumerate(params):
+        if p.temperature == 0:
+            chosen.append(torch.argmax(logits[b]).view(1))
+        elif b in plain:
+            chosen.append(plain_draw[plain.index(b)].view(1))
+        else:
+            probs = torch.softmax(_filter(logp[b], p), dim=-1)
+            chosen.append(torch.multinomial(probs, 1, generator=generators[b]))
+    tokens = torch.cat(chosen)
+    lps = logp.gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), lps.tolist()

@@ -8,7 +8,8 @@ SGLang integration both use these.
 
 from .allocator import OutOfSlotsError, SlotAllocator
 from .pool import FullPrecisionPool, KV4Pool
+from .slot_table import SlotTable
 from .stream import EvictionError, KVStream, StreamTable
 
 __all__ = ["EvictionError", "FullPrecisionPool", "KV4Pool", "KVStream", "OutOfSlotsError", "SlotAllocator",
-           "StreamTable"]
+           "SlotTable", "StreamTable"]
