@@ -163,8 +163,9 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_model_path):
     assert stop.token_ids == greedy.token_ids[:1] and stop.finish_reason == "stop"
 
 
-def test_kv4rl_engine_tracks_the_bf16_engine(tiny_model_path, hf_model):
-    eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=1024, max_streams=4)
+def test_kv4rl_engine_tracks_the_bf16_engine(tiny_model_path, hf_model, device):
+    eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=1024, max_streams=4, device=device,
+                 dtype=torch.float32)
     sid = eng.open_stream(list(range(30, 230)))  # longer than sink + recent: both regions in use
     eng.generate(sid, max_new_tokens=4, seed=0)
     eng.append(sid, list(range(100, 110)))

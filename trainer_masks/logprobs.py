@@ -119,7 +119,9 @@ def score_packed(model: torch.nn.Module, packed: PackedBatch, *, impl: Impl = "a
     ]
 
 
-def score_streams(model: torch.nn.Module, records: Sequence[StreamRecord], *, impl: Impl = "auto") -> list[StreamScores]:
+def score_streams(
+    model: torch.nn.Module, records: Sequence[StreamRecord], *, impl: Impl = "auto"
+) -> list[StreamScores]:
     """Logprobs, entropies and loss masks of ``records``, scored together in one forward."""
     return score_packed(model, pack(records), impl=impl)
 

@@ -24,7 +24,8 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 def visible(document_ids: torch.Tensor, death: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
     """The trainer's attention rule on (broadcastable) query and key indices; pure tensor ops, so
-    it vmaps inside FlexAttention and broadcasts for the dense mask."""
+    it vmaps inside FlexAttention and broadcasts for the dense mask. (Packed ``death`` alone already
+    hides other records, since a record's keys die at its end; the document test states it.)"""
     return (document_ids[q] == document_ids[kv]) & (kv <= q) & (q < death[kv])
 
 

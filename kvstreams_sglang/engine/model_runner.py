@@ -19,7 +19,9 @@ def load_model(model_path: str, *, device, dtype: torch.dtype | None):
     config = AutoConfig.from_pretrained(model_path)
     if dtype is None:
         dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=register())
+    device = torch.device(device)
+    extra = {"device_map": str(device)} if device.type == "cuda" else {}  # load straight onto the GPU
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=register(), **extra)
     model.to(device).eval()
     return model, config
 

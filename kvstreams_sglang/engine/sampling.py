@@ -49,21 +49,24 @@ def _filter(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
                  generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
-    """One token per row of ``logits [B, V]``; a single device-to-host sync for the batch."""
+    """One token per row of ``logits [B, V]``; a single device-to-host sync for the batch.
+
+    Exponential-race sampling: ``argmax(log p - log E)`` with ``E ~ Exp(1)`` draws exactly
+    from ``p``; the noise of a seeded request comes from its own generator, so a stream's
+    samples do not depend on what else is in the batch.
+    """
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
     logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # [B, V]
-    chosen = []
-    plain = [b for b, p in enumerate(params) if p.temperature > 0 and not p.top_k and p.top_p >= 1.0
-             and generators[b] is None]
-    plain_draw = torch.multinomial(logp[plain].exp(), 1)[:, 0] if plain else None
-    for b, p in enumerate(params):
-        if p.temperature == 0:
-            chosen.append(torch.argmax(logits[b]).view(1))
-        elif b in plain:
-            chosen.append(plain_draw[plain.index(b)].view(1))
-        else:
-            probs = torch.softmax(_filter(logp[b], p), dim=-1)
-            chosen.append(torch.multinomial(probs, 1, generator=generators[b]))
-    tokens = torch.cat(chosen)
+    scores = logp
+    if any(p.top_k or p.top_p < 1.0 for p in params):
+        scores = torch.stack([_filter(logp[b], p) if (p.top_k or p.top_p < 1.0) else logp[b]
+                              for b, p in enumerate(params)])
+    noise = torch.empty_like(scores).exponential_()
+    for b, g in enumerate(generators):
+        if g is not None:
+            noise[b].exponential_(generator=g)
+    tokens = torch.argmax(scores - noise.log(), dim=-1)
+    greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)
+    tokens = torch.where(greedy, torch.argmax(logits, dim=-1), tokens)
     lps = logp.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), lps.tolist()
