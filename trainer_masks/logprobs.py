@@ -22,6 +22,7 @@ from typing import Literal, overload
 
 import torch
 
+from .lm_head import decoder, fp32_logits
 from .masks import PackedBatch, flex_block_mask, pack
 from .record import StreamRecord
 
@@ -73,17 +74,26 @@ def layer_masks(model: torch.nn.Module, mask: torch.Tensor | object) -> dict[str
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [M, V]`` (any dtype), ``targets [M]`` -> float32 ``logprobs [M]``, ``entropy [M]``.
+    """``logits [M, V]``, ``targets [M]`` -> float32 ``logprobs [M]``, ``entropy [M]``."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    # clamp: a vocabulary entry masked to -inf has p = 0 and must add 0, not 0 * -inf = nan
+    entropy = -(logp.exp() * logp.clamp_min(torch.finfo(torch.float32).min)).sum(-1)
+    return logp.gather(-1, targets[:, None]).squeeze(-1), entropy
 
-    Works in row chunks so only one float32 ``[rows, V]`` log-softmax is alive at a time (under
-    autograd each chunk's is kept for backward; a fused kernel would be needed to avoid that).
-    """
+
+def hidden_logprobs_and_entropy(
+    model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Final hidden states ``[M, H]`` -> ``token_logprobs_and_entropy`` of the fp32 LM head's logits,
+    in row chunks so only one float32 ``[rows, V]`` block is alive at a time (under autograd each
+    chunk's is kept for backward; a fused kernel would be needed to avoid that)."""
+    weight = model.get_output_embeddings().weight.float()
     logprobs, entropy = [], []
-    for start in range(0, max(len(logits), 1), ROWS_PER_CHUNK):
-        logp = torch.log_softmax(logits[start : start + ROWS_PER_CHUNK].float(), dim=-1)  # [C, V]
-        logprobs.append(logp.gather(-1, targets[start : start + ROWS_PER_CHUNK, None]).squeeze(-1))
-        # clamp: a vocabulary entry masked to -inf has p = 0 and must add 0, not 0 * -inf = nan
-        entropy.append(-(logp.exp() * logp.clamp_min(torch.finfo(torch.float32).min)).sum(-1))
+    for start in range(0, max(len(hidden), 1), ROWS_PER_CHUNK):
+        rows = slice(start, start + ROWS_PER_CHUNK)
+        lp, ent = token_logprobs_and_entropy(fp32_logits(model, hidden[rows], weight), targets[rows])
+        logprobs.append(lp)
+        entropy.append(ent)
     return torch.cat(logprobs), torch.cat(entropy)
 
 
@@ -97,15 +107,15 @@ def score_packed(model: torch.nn.Module, packed: PackedBatch, *, impl: Impl = "a
     else:
         mask = packed.dense_mask()[None, None]  # [1, 1, N, N] bool, True = attend
     with attention_implementation(model, HF_ATTENTION[impl]):
-        logits = model(
+        hidden = decoder(model)(
             input_ids=packed.input_ids,
             position_ids=packed.position_ids,
             attention_mask=layer_masks(model, mask),
             use_cache=False,
-        ).logits[0]  # [N, V]
+        ).last_hidden_state[0]  # [N, H]
 
     # row j predicts token j + 1; shift so entry j holds the score of token j
-    logprobs, entropy = token_logprobs_and_entropy(logits[:-1], packed.input_ids[0, 1:])  # [N - 1]
+    logprobs, entropy = hidden_logprobs_and_entropy(model, hidden[:-1], packed.input_ids[0, 1:])  # [N - 1]
     first = torch.zeros(1, device=device)
     logprobs, entropy = torch.cat([first, logprobs]), torch.cat([first, entropy])  # [N]
     # a record's first token is predicted from the previous record's last row: not a prediction

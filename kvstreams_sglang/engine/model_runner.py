@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from trainer_masks.lm_head import decoder, fp32_logits
+
 from .attention import register
 from .batch import ForwardBatch
 
@@ -36,20 +38,22 @@ class ModelRunner:
         self.num_kv_heads = text.num_key_value_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.layer_types = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]))
+        self._head_fp32: torch.Tensor | None = None  # fp32 copy of the LM head, refreshed on weight updates
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
-        """Returns logits ``[B, V]`` (float32) at each stream's last new token."""
-        out = self.model(
+        """Returns logits ``[B, V]`` (float32, fp32 LM head) at each stream's last new token."""
+        hidden = decoder(self.model)(
             input_ids=fb.input_ids[None],
             position_ids=fb.positions[None],
             attention_mask={t: None for t in ("full_attention", "sliding_attention", *self.layer_types)},
             use_cache=False,
-            logits_to_keep=fb.logits_indices,
             kv_batch=fb,
             kv_backend=backend,
-        )
-        return out.logits[0].float()
+        ).last_hidden_state[0]  # [N, H]
+        if self._head_fp32 is None:
+            self._head_fp32 = self.model.get_output_embeddings().weight.float()
+        return fp32_logits(self.model, hidden[fb.logits_indices], self._head_fp32)
 
     @torch.no_grad()
     def update_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -65,3 +69,4 @@ class ModelRunner:
                 raise ValueError(f"update_weights: {name} has shape {tuple(tensor.shape)}, "
                                  f"expected {tuple(params[name].shape)}")
             params[name].copy_(tensor)
+        self._head_fp32 = None
