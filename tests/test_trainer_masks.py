@@ -1,13 +1,14 @@
 """The trainer replays a KV stream in one forward pass and scores every token exactly as the
 engine sampled it: key ``k`` is visible to query ``q`` iff ``k <= q < death[k]``."""
 
+import inspect
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache, Qwen3ForCausalLM
 
 from trainer_masks import (
     EvictionEvent,
@@ -127,6 +128,10 @@ def test_flex_block_mask_keeps_exactly_the_blocks_holding_a_visible_key():
 # --- scoring ------------------------------------------------------------------------------------
 
 
+# transformers 5.24 renamed `past_key_values` to `cache`; the GPU image has an older release
+CACHE_KWARG = "cache" if "cache" in inspect.signature(Qwen3ForCausalLM.forward).parameters else "past_key_values"
+
+
 def engine_replay(model, record: StreamRecord) -> torch.Tensor:
     """Reference: run the stream the way the inference engine does, one token at a time into a KV
     cache, deleting evicted entries from the cache before the token at ``at_index`` is computed.
@@ -146,7 +151,7 @@ def engine_replay(model, record: StreamRecord) -> torch.Tensor:
             input_ids=torch.tensor([[token]]),
             position_ids=torch.tensor([[record.positions[i]]]),
             attention_mask={"full_attention": None},  # one query attends every entry left in the cache
-            cache=cache,
+            **{CACHE_KWARG: cache},
             use_cache=True,
         )
         logits.append(out.logits[0, -1])
