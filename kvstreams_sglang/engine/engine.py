@@ -51,7 +51,7 @@ class EngineStats:
 @dataclass
 class _Request:
     sid: int
-    params: SamplingParams
+    params: SamplingParams | None  # None: prefill the pending tokens, sample nothing
     generator: torch.Generator | None
     out: Generation = field(default_factory=lambda: Generation([], []))
     done: bool = False
@@ -113,15 +113,7 @@ class Engine:
         self._update_slot_stats()
 
     def stream_record(self, sid: int, **meta):
-        from trainer_masks import StreamRecord
-
-        st = self.table.get(sid)
-        return StreamRecord(
-            token_ids=list(st.token_ids), positions=list(range(len(st.token_ids))), sources=list(st.sources),
-            loss_mask=[s == "model" for s in st.sources], logprobs=list(st.logprobs),
-            policy_versions=list(st.versions),
-            evictions=[dict(at_index=at, spans=spans) for at, spans in st.evictions],
-            meta={"kv_dtype": self.kv_dtype, **meta})
+        return self.table.get(sid).to_record(kv_dtype=self.kv_dtype, **meta)
 
     def live_tokens(self, sid: int) -> int:
         return self.table.get(sid).num_live
@@ -147,8 +139,22 @@ class Engine:
             self.step()
         return [r.out for r in reqs]
 
+    def prefill(self, sid: int) -> None:
+        """Compute the KV of every pending token now, sampling nothing (e.g. so that a
+        just-written exchange can be evicted before the next turn)."""
+        if self._loop_task is not None and not self._loop_task.done():
+            raise RuntimeError("the async loop is running: use aprefill")
+        req = self._submit(sid, None)
+        while not req.done:
+            self.step()
+
+    async def aprefill(self, sid: int) -> None:
+        await self._enqueue(self._submit(sid, None))
+
     async def agenerate(self, sid: int, params: SamplingParams | None = None, **kw) -> Generation:
-        req = self._submit(sid, params or SamplingParams(**kw))
+        return await self._enqueue(self._submit(sid, params or SamplingParams(**kw)))
+
+    async def _enqueue(self, req: _Request):
         req.future = asyncio.get_running_loop().create_future()
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
@@ -173,7 +179,7 @@ class Engine:
         if not st.pending:
             raise RuntimeError(f"stream {sid} has no pending token to continue from")
         gen = None
-        if params.seed is not None:
+        if params is not None and params.seed is not None:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         req = _Request(sid, params, gen)
@@ -190,7 +196,7 @@ class Engine:
         reqs = list(self._requests.values())
         if not reqs:
             return
-        extend = [r for r in reqs if len(self.table.get(r.sid).pending) > 1]
+        extend = [r for r in reqs if len(self.table.get(r.sid).pending) > 1 or r.params is None]
         mode = "extend" if extend else "decode"
         chosen = extend if extend else reqs
         items, budget = [], self.max_prefill_tokens
@@ -212,10 +218,16 @@ class Engine:
         fb = self.backend.prepare(items, mode, self.slot_table, self.device)
         logits = self.runner.forward(fb, self.backend)
         reqs = [self._requests[it.stream.sid] for it in items]
-        tokens, logprobs = sample_batch(logits, [r.params for r in reqs], [r.generator for r in reqs])
-        for it, req, tok, lp in zip(items, reqs, tokens, logprobs, strict=True):
+        rows = [b for b, r in enumerate(reqs) if r.params is not None]
+        tokens, logprobs = (sample_batch(logits[rows], [reqs[b].params for b in rows],
+                                         [reqs[b].generator for b in rows]) if rows else ([], []))
+        sampled = dict(zip(rows, zip(tokens, logprobs, strict=True), strict=True))
+        for b, (it, req) in enumerate(zip(items, reqs, strict=True)):
             it.stream.commit(it.slots)
-            self._record_sample(req, tok, lp)
+            if b in sampled:
+                self._record_sample(req, *sampled[b])
+            else:
+                self._finish(req, None)
         n_new = sum(it.num_new for it in items)
         if mode == "extend":
             self.stats.tokens_prefilled += n_new
@@ -234,9 +246,13 @@ class Engine:
         elif len(req.out.token_ids) >= req.params.max_new_tokens:
             req.out.finish_reason, req.done = "length", True
         if req.done:
-            del self._requests[req.sid]
-            if req.future is not None and not req.future.done():
-                req.future.set_result(req.out)
+            self._finish(req, req.out)
+
+    def _finish(self, req: _Request, result) -> None:
+        req.done = True
+        del self._requests[req.sid]
+        if req.future is not None and not req.future.done():
+            req.future.set_result(result)
 
     def _update_slot_stats(self) -> None:
         self.stats.live_slots = self.table.allocator.num_used

@@ -69,6 +69,16 @@ class KVStream:
         self.slots.extend(slots)
         self.num_computed += n
 
+    def to_record(self, **meta):
+        """The stream as the trainer replays it (``trainer_masks.StreamRecord``)."""
+        from trainer_masks import StreamRecord
+
+        return StreamRecord(
+            token_ids=list(self.token_ids), positions=list(range(len(self.token_ids))), sources=list(self.sources),
+            loss_mask=[s == "model" for s in self.sources], logprobs=list(self.logprobs),
+            policy_versions=list(self.versions),
+            evictions=[dict(at_index=at, spans=spans) for at, spans in self.evictions], meta=meta)
+
     def position_runs(self) -> list[tuple[int, int, int]]:
         """The position map as runs ``(slot_start, logical_start, length)`` where both the
         slots and the positions are consecutive."""

@@ -1,0 +1,228 @@
+"""The multi-turn agent loop: environment turns -> engine stream -> StreamRecord(s).
+
+One episode is one engine stream. Each turn: append the assistant header, sample the
+assistant message (stop at end-of-turn), step the environment with its text, append the
+answer as environment tokens (no loss). After each completed turn the compaction
+strategy may evict whole turns: in place (``kv_streams``: the engine frees their KV,
+nothing is recomputed) or by re-prefilling the kept context into a fresh stream
+(``reprefill``: the baseline, whose cost the accounting records). Many episodes run
+concurrently (asyncio) against one engine, which batches their steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvstreams_sglang.engine import SamplingParams
+
+from .chat import ChatRenderer
+from .client import EngineClient
+from .compaction import Compaction, CompactionConfig, EpisodeView, Exchange, Span, make_strategy
+from .protocol import Environment, Task
+
+
+class EpisodeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_turns: int = Field(30, ge=1, description="turn cap per episode")
+    max_tokens: int = Field(32768, ge=16, description="stream-length cap (all tokens ever in the stream)")
+    max_new_tokens: int = Field(128, ge=1, description="assistant tokens per turn")
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+
+
+@dataclass
+class EpisodeStats:
+    turns: int = 0
+    tokens_generated: int = 0
+    env_tokens: int = 0
+    tokens_reprefilled: int = 0
+    peak_live_tokens: int = 0
+    live_samples: list[int] = field(default_factory=list)
+    compactions: int = 0
+    summary_tokens: int = 0
+    pick_fallbacks: int = 0
+
+    @property
+    def mean_live_tokens(self) -> float:
+        return sum(self.live_samples) / max(1, len(self.live_samples))
+
+    def as_dict(self) -> dict:
+        d = {k: v for k, v in vars(self).items() if k != "live_samples"}
+        return {**d, "mean_live_tokens": self.mean_live_tokens}
+
+
+@dataclass
+class Episode:
+    task: Task
+    reward: float
+    won: bool
+    records: list  # StreamRecord segments: one in kv_streams mode, one per context window in reprefill mode
+    stats: EpisodeStats
+    finish_reason: str
+    turn_spans: list[tuple[int, Span]] = field(default_factory=list)  # (segment, [start, end)) of completed turns
+
+
+class StreamConversation:
+    """The episode's stream as the loop and the strategies see it (implements
+    ``compaction.Conversation``). Tracks spans in current-stream positions."""
+
+    def __init__(self, client: EngineClient, renderer: ChatRenderer, sampling: SamplingParams, stats: EpisodeStats):
+        self.client, self.renderer, self.sampling, self.stats = client, renderer, sampling, stats
+        self.sid: int | None = None
+        self.tokens: list[int] = []  # every token of the current stream
+        self.pending = 0  # trailing tokens whose KV is not computed yet
+        self.first: Span = (0, 0)
+        self.turns: list[Span] = []
+        self.turn_texts: list[str] = []
+        self.segments: list = []
+        self.turn_log: list[tuple[int, Span]] = []  # (segment, span) of every completed turn
+        self.evicted: set[int] = set()  # positions of the current stream evicted in place
+
+    @property
+    def end(self) -> int:
+        return len(self.tokens)
+
+    async def open(self, first_message: list[int]) -> None:
+        self.sid = await self.client.open(first_message)
+        self.tokens, self.pending, self.first = list(first_message), len(first_message), (0, len(first_message))
+
+    async def append(self, token_ids: list[int], source: str = "env") -> Span:
+        start = self.end
+        await self.client.append(self.sid, token_ids, source)
+        self.tokens.extend(token_ids)
+        self.pending += len(token_ids)
+        self.stats.env_tokens += len(token_ids)
+        return start, self.end
+
+    async def assistant(self, max_new_tokens: int) -> tuple[list[int], bool]:
+        """Header, then a sampled message; returns (tokens, closed by end-of-turn)."""
+        await self.append(self.renderer.assistant_header())
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.sampling.temperature,
+                                top_p=self.sampling.top_p, top_k=self.sampling.top_k,
+                                stop_token_ids=tuple(self.renderer.eos_ids), seed=self.sampling.seed)
+        gen = await self.client.generate(self.sid, params)
+        self.tokens.extend(gen.token_ids)
+        self.pending = 1  # everything before the last sampled token has been computed
+        self.stats.tokens_generated += len(gen.token_ids)
+        live = await self.client.live_tokens(self.sid)
+        self.stats.live_samples.append(live)
+        self.stats.peak_live_tokens = max(self.stats.peak_live_tokens, live)
+        return gen.token_ids, gen.finish_reason == "stop"
+
+    async def ask(self, instruction: str, max_new_tokens: int) -> Exchange:
+        instr = await self.append(self.renderer.user_message(instruction))
+        start = self.end
+        tokens, closed = await self.assistant(max_new_tokens)
+        await self.append(self.renderer.after_assistant(closed=closed))
+        return Exchange(instruction=instr, answer=(start, self.end), text=self.renderer.action_text(tokens))
+
+    def live_ranges(self, start: int, end: int) -> list[Span]:
+        """Maximal runs of live positions in ``[start, end)``."""
+        runs: list[Span] = []
+        for p in range(start, end):
+            if p in self.evicted:
+                continue
+            if runs and runs[-1][1] == p:
+                runs[-1] = (runs[-1][0], p + 1)
+            else:
+                runs.append((p, p + 1))
+        return runs
+
+    async def flush(self) -> None:
+        """Compute the pending tokens' KV now, so that they can be evicted."""
+        await self.client.prefill(self.sid)
+        self.pending = 0
+
+    async def restate(self, text: str) -> Span:
+        return await self.append(self.renderer.user_message(text))
+
+    async def evict(self, spans: list[Span], execution: str) -> None:
+        spans = sorted(spans)
+        if not spans:
+            return
+        dead = {p for a, b in spans for p in range(a, b)}
+        kept_turns = [(t, x) for t, x in zip(self.turns, self.turn_texts, strict=True) if t[0] not in dead]
+        if execution == "kv_streams":
+            await self.client.evict(self.sid, spans)
+            self.evicted |= dead
+            self.turns, self.turn_texts = [t for t, _ in kept_turns], [x for _, x in kept_turns]
+            return
+        # Re-prefill: close this context window, re-open a fresh stream on the kept tokens.
+        kept = [p for p in range(self.end) if p not in dead]
+        computed = self.end - self.pending
+        self.stats.tokens_reprefilled += sum(1 for p in kept if p < computed)
+        new_index = {p: i for i, p in enumerate(kept)}
+        self.segments.append(await self.client.close(self.sid))
+        self.sid = await self.client.open([self.tokens[p] for p in kept])
+        self.tokens = [self.tokens[p] for p in kept]
+        self.pending = len(self.tokens)
+        self.first = (0, new_index[self.first[1] - 1] + 1)
+        self.turns = [(new_index[a], new_index[b - 1] + 1) for (a, b), _ in kept_turns]
+        self.turn_texts = [x for _, x in kept_turns]
+
+    async def finish(self, **meta) -> list:
+        self.segments.append(await self.client.close(self.sid, **meta))
+        return self.segments
+
+
+async def run_episode(client: EngineClient, env: Environment, task: Task, renderer: ChatRenderer,
+                      compaction: CompactionConfig, config: EpisodeConfig, *, seed: int | None = None) -> Episode:
+    stats = EpisodeStats()
+    sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=seed)
+    conv = StreamConversation(client, renderer, sampling, stats)
+    strategy = make_strategy(compaction)
+    observation = await asyncio.to_thread(env.reset, task)
+    await conv.open(renderer.first_message(observation))
+    reward, won, finish = 0.0, False, "max_turns"
+    for turn in range(config.max_turns):
+        start = conv.end
+        tokens, closed = await conv.assistant(config.max_new_tokens)
+        action = renderer.action_text(tokens)
+        result = await asyncio.to_thread(env.step, action)
+        reward += result.reward
+        stats.turns = turn + 1
+        if result.done:
+            won, finish = bool(result.info.get("won", result.reward > 0)), "done"
+            break
+        if conv.end >= config.max_tokens:
+            finish = "max_tokens"
+            break
+        if turn == config.max_turns - 1:
+            break  # the last turn stays unfinished: its answer would never be read
+        await conv.append(renderer.after_assistant(closed=closed) + renderer.user_message(result.observation))
+        conv.turns.append((start, conv.end))
+        conv.turn_log.append((len(conv.segments), (start, conv.end)))
+        conv.turn_texts.append(action)
+        view = EpisodeView(first_message=conv.first, turns=list(conv.turns),
+                           live_tokens=await client.live_tokens(conv.sid) + conv.pending, turns_completed=turn + 1,
+                           turn_texts=list(conv.turn_texts), last_observation=result.observation)
+        if strategy.triggered(view):
+            c: Compaction = await strategy.compact(view, conv)
+            await conv.evict(c.evict, compaction.execution)
+            stats.compactions += 1
+            stats.summary_tokens += c.summary_tokens
+            stats.pick_fallbacks += int(c.pick_fallback)
+    env.close()
+    meta = dict(task_id=task.task_id, reward=reward, won=won, strategy=compaction.strategy,
+                execution=compaction.execution, stats=stats.as_dict())
+    records = await conv.finish(**meta)
+    return Episode(task=task, reward=reward, won=won, records=records, stats=stats, finish_reason=finish,
+                   turn_spans=conv.turn_log)
+
+
+async def run_episodes(client: EngineClient, make_env, tasks: list[Task], renderer: ChatRenderer,
+                       compaction: CompactionConfig, config: EpisodeConfig, *, concurrency: int = 64,
+                       seed: int = 0) -> list[Episode]:
+    """Run ``tasks`` concurrently (at most ``concurrency`` at a time) against one engine."""
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, task: Task) -> Episode:
+        async with sem:
+            return await run_episode(client, make_env(), task, renderer, compaction, config, seed=seed + i)
+
+    return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))

@@ -1,0 +1,62 @@
+"""The engine client the agent loop talks to: one async interface for the built-in
+engine and for an SGLang server (same verbs: open, append, generate, evict, close)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from kvstreams_sglang.engine import Engine, Generation, SamplingParams
+from trainer_masks import StreamRecord
+
+
+class EngineClient(Protocol):
+    async def open(self, token_ids: list[int]) -> int: ...
+
+    async def append(self, sid: int, token_ids: list[int], source: str = "env") -> None: ...
+
+    async def generate(self, sid: int, params: SamplingParams) -> Generation: ...
+
+    async def evict(self, sid: int, spans: list[tuple[int, int]]) -> int: ...
+
+    async def prefill(self, sid: int) -> None: ...
+
+    async def live_tokens(self, sid: int) -> int: ...
+
+    async def close(self, sid: int, **meta) -> StreamRecord: ...
+
+    @property
+    def policy_version(self) -> int: ...
+
+
+class BuiltinClient:
+    """``EngineClient`` over the in-process engine (all episodes share its batches)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def open(self, token_ids):
+        return self.engine.open_stream(token_ids)
+
+    async def append(self, sid, token_ids, source="env"):
+        self.engine.append(sid, token_ids, source=source)
+
+    async def generate(self, sid, params):
+        return await self.engine.agenerate(sid, params)
+
+    async def evict(self, sid, spans):
+        return self.engine.evict(sid, spans)
+
+    async def prefill(self, sid):
+        await self.engine.aprefill(sid)
+
+    async def live_tokens(self, sid):
+        return self.engine.live_tokens(sid)
+
+    async def close(self, sid, **meta):
+        record = self.engine.stream_record(sid, **meta)
+        self.engine.close(sid)
+        return record
