@@ -106,16 +106,29 @@ def score_packed(model: torch.nn.Module, packed: PackedBatch, *, impl: Impl = "a
         mask = flex_block_mask(packed, device)
     else:
         mask = packed.dense_mask()[None, None]  # [1, 1, N, N] bool, True = attend
-    with attention_implementation(model, HF_ATTENTION[impl]):
-        hidden = decoder(model)(
-            input_ids=packed.input_ids,
-            position_ids=packed.position_ids,
-            attention_mask=layer_masks(model, mask),
-            use_cache=False,
-        ).last_hidden_state[0]  # [N, H]
+    # The fp32 head runs inside the model's own forward (a hook on the final norm): under FSDP2
+    # the root's parameters (embeddings, LM head) are only unsharded there, and gradients of
+    # the head then flow through FSDP's own backward hooks.
+    scores: dict[str, torch.Tensor] = {}
 
-    # row j predicts token j + 1; shift so entry j holds the score of token j
-    logprobs, entropy = hidden_logprobs_and_entropy(model, hidden[:-1], packed.input_ids[0, 1:])  # [N - 1]
+    def head(_module, _args, output):
+        hidden = output[0] if isinstance(output, tuple) else output  # [1, N, H]
+        # row j predicts token j + 1; shift so entry j holds the score of token j
+        scores["lp"], scores["ent"] = hidden_logprobs_and_entropy(model, hidden[0, :-1], packed.input_ids[0, 1:])
+
+    hook = decoder(model).norm.register_forward_hook(head)
+    try:
+        with attention_implementation(model, HF_ATTENTION[impl]):
+            model(
+                input_ids=packed.input_ids,
+                position_ids=packed.position_ids,
+                attention_mask=layer_masks(model, mask),
+                use_cache=False,
+                logits_to_keep=1,  # the model's own (bf16) head only for one row; ours is above
+            )
+    finally:
+        hook.remove()
+    logprobs, entropy = scores["lp"], scores["ent"]  # [N - 1]
     first = torch.zeros(1, device=device)
     logprobs, entropy = torch.cat([first, logprobs]), torch.cat([first, entropy])  # [N]
     # a record's first token is predicted from the previous record's last row: not a prediction
