@@ -33,6 +33,8 @@ class EpisodeConfig(BaseModel):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
+    env_in_thread: bool = Field(True, description="step the environment in a worker thread (off for cheap, "
+                                                  "deterministic environments: a single-threaded schedule)")
 
 
 @dataclass
@@ -176,14 +178,17 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
     sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=seed)
     conv = StreamConversation(client, renderer, sampling, stats)
     strategy = make_strategy(compaction)
-    observation = await asyncio.to_thread(env.reset, task)
+    async def call(fn, *args):
+        return await asyncio.to_thread(fn, *args) if config.env_in_thread else fn(*args)
+
+    observation = await call(env.reset, task)
     await conv.open(renderer.first_message(observation))
     reward, won, finish = 0.0, False, "max_turns"
     for turn in range(config.max_turns):
         start = conv.end
         tokens, closed = await conv.assistant(config.max_new_tokens)
         action = renderer.action_text(tokens)
-        result = await asyncio.to_thread(env.step, action)
+        result = await call(env.step, action)
         reward += result.reward
         stats.turns = turn + 1
         if result.done:

@@ -1,0 +1,31 @@
+"""Environment name -> task set, the one place the harness looks environments up.
+
+Heavy environments are imported only when asked for, so a toy run needs none of their
+packages installed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .protocol import TaskSet
+
+
+def make_taskset(name: str, options: dict[str, Any] | None = None) -> TaskSet:
+    options = options or {}
+    if name == "toy":
+        from .toy import CorridorTasks
+
+        return CorridorTasks(**options)
+    if name == "textworld":
+        from .textworld import TextWorldTasks
+
+        return TextWorldTasks(**options)
+    if name == "alfworld":
+        from .alfworld import AlfWorldTasks
+
+        return AlfWorldTasks(**options)
+    if name == "swe":
+        from .swe import SweTasks
+
+        return SweTasks(**options)
+    raise ValueError(f"unknown environment {name!r}: expected toy, textworld, alfworld or swe")

@@ -1,0 +1,172 @@
+"""Run configuration: pydantic models loaded from TOML, overridable from the command line.
+
+prime-rl's style: every knob is a field, sections mirror the processes (model,
+inference, environment, compaction, orchestrator, trainer, run), unknown keys and bad
+values fail before anything starts. Overrides are dotted paths:
+``python -m harness.run configs/textworld/sliding_window.toml --trainer.lr 2e-6``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from envs.compaction import CompactionConfig
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class TinyModelConfig(Section):
+    num_layers: int = Field(2, ge=1)
+    hidden_size: int = Field(64, ge=8)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    head_dim: int = Field(128, ge=8)
+    intermediate_size: int | None = None
+    seed: int = 0
+
+
+class ModelConfig(Section):
+    path: str | None = Field(None, description="local Hugging Face checkpoint; None builds the tiny model below")
+    tiny: TinyModelConfig = TinyModelConfig()
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+
+
+class InferenceConfig(Section):
+    engine: Literal["builtin", "sglang"] = "builtin"
+    url: str | None = Field(None, description="SGLang server URL (engine = sglang)")
+    kv_dtype: Literal["bf16", "kv4rl"] = "bf16"
+    sink: int = Field(16, ge=0)
+    recent: int = Field(128, ge=0)
+    max_tokens: int = Field(65536, ge=64, description="KV pool slots")
+    max_streams: int = Field(256, ge=1)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    @model_validator(mode="after")
+    def _url(self) -> InferenceConfig:
+        if self.engine == "sglang" and not self.url:
+            raise ValueError("inference.engine = 'sglang' needs inference.url")
+        return self
+
+
+class EnvironmentConfig(Section):
+    name: Literal["toy", "textworld", "alfworld", "swe"] = "toy"
+    options: dict[str, Any] = Field(default_factory=dict, description="environment-specific settings")
+    train_split: str = "train"
+    eval_split: str = "eval"
+    num_eval: int = Field(16, ge=0)
+
+
+class OrchestratorConfig(Section):
+    group_size: int = Field(8, ge=1, description="rollouts per task (G)")
+    groups_per_step: int = Field(4, ge=1, description="complete groups a trainer step takes (T)")
+    oversubscription: float = Field(2.0, ge=1.0, description="groups kept running per group consumed")
+    async_level: int = Field(3, ge=0, description="max policy lag of trained data")
+    max_turns: int = Field(30, ge=1)
+    max_tokens: int = Field(32768, ge=16)
+    max_new_tokens: int = Field(128, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    env_in_thread: bool = Field(True, description="False: a single-threaded, reproducible schedule")
+
+
+class TrainerConfig(Section):
+    lr: float = Field(1e-6, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    kl_coef: float = Field(0.001, ge=0)
+    tis_cap: float = Field(5.0, gt=0, description="truncated importance sampling cap C")
+    clip_eps: float = Field(0.2, gt=0)
+    micro_batch_records: int = Field(4, ge=1, description="records packed per forward (attention is quadratic "
+                                                          "in the packed length on the dense CPU path)")
+    impl: Literal["auto", "sdpa", "flex"] = "auto"
+
+
+class RunConfig(Section):
+    steps: int = Field(10, ge=1)
+    output_dir: str = "runs/default"
+    checkpoint_every: int = Field(1, ge=1)
+    seed: int = 0
+
+
+class Config(Section):
+    model: ModelConfig = ModelConfig()
+    inference: InferenceConfig = InferenceConfig()
+    environment: EnvironmentConfig = EnvironmentConfig()
+    compaction: CompactionConfig = CompactionConfig()
+    orchestrator: OrchestratorConfig = OrchestratorConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    run: RunConfig = RunConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        c, i = self.compaction, self.inference
+        if i.kv_dtype == "kv4rl" and c.budget is not None and i.sink + i.recent > c.budget:
+            raise ValueError(f"inference.sink + inference.recent ({i.sink} + {i.recent}) exceeds compaction.budget "
+                             f"({c.budget}): the INT8 side cache would hold the whole live context")
+        if c.budget is not None and c.budget > self.orchestrator.max_tokens:
+            raise ValueError(f"compaction.budget ({c.budget}) exceeds orchestrator.max_tokens "
+                             f"({self.orchestrator.max_tokens})")
+        return self
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message says which key and why."""
+
+
+def _parse_value(text: str) -> Any:
+    """A CLI value as TOML would read it (numbers, booleans, arrays), else a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``["--trainer.lr", "2e-6", "--run.steps=3"]`` -> nested updates of ``data``."""
+    items, i = [], 0
+    while i < len(overrides):
+        arg = overrides[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected --section.key, got {arg!r}")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(overrides):
+                raise ConfigError(f"{arg} needs a value")
+            key, value = arg[2:], overrides[i + 1]
+            i += 2
+        items.append((key, _parse_value(value)))
+    for key, value in items:
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--{key}: {part} is not a section")
+        node[leaf] = value
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+    data: dict = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    data = apply_overrides(data, overrides or [])
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
+        raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None

@@ -1,0 +1,153 @@
+"""The orchestrator: an over-subscribed pool of rollout groups feeding the trainer.
+
+Quota-based partial rollout (as in prime-rl / KV4-RL): a trainer step takes the first
+``T`` complete groups of ``G`` rollouts; more groups than that keep running, and
+unfinished ones carry on across weight updates (with KV streams their KV is kept, so a
+rollout may mix policy versions). Off-policy lag is bounded: data used at trainer step
+``n`` must come from policy versions ``>= n - async_level``; older groups are dropped
+and counted. ``drain`` lets every running group finish -- checkpoints are taken at that
+quiescent point, so a resumed run loses and duplicates nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+from envs.agent_loop import EpisodeConfig, run_episode
+from envs.chat import ChatRenderer
+from envs.client import EngineClient
+from envs.compaction import CompactionConfig
+from envs.protocol import Task, TaskSet
+from trainer_masks import StreamRecord
+
+from .config import OrchestratorConfig
+
+
+@dataclass
+class Rollout:
+    reward: float
+    won: bool
+    records: list[StreamRecord]
+    stats: dict
+
+    @property
+    def min_version(self) -> int:
+        versions = [v for r in self.records for v in r.policy_versions if v is not None]
+        return min(versions) if versions else 0
+
+    def to_dict(self) -> dict:
+        return {"reward": self.reward, "won": self.won, "stats": self.stats,
+                "records": [r.model_dump(mode="json") for r in self.records]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Rollout:
+        return cls(d["reward"], d["won"], [StreamRecord.model_validate(r) for r in d["records"]], d["stats"])
+
+
+@dataclass
+class Group:
+    group_id: int
+    task: Task
+    rollouts: list[Rollout] = field(default_factory=list)
+
+    @property
+    def min_version(self) -> int:
+        return min(r.min_version for r in self.rollouts)
+
+    def to_dict(self) -> dict:
+        return {"group_id": self.group_id, "task_id": self.task.task_id, "split": self.task.split,
+                "rollouts": [r.to_dict() for r in self.rollouts]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Group:
+        return cls(d["group_id"], Task(d["task_id"], d["split"]), [Rollout.from_dict(r) for r in d["rollouts"]])
+
+
+def episode_seed(run_seed: int, group_id: int, member: int) -> int:
+    return (run_seed * 1_000_003 + group_id * 1009 + member) % (2**31)
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig, compaction: CompactionConfig, client: EngineClient,
+                 taskset: TaskSet, renderer: ChatRenderer, *, split: str = "train", seed: int = 0):
+        self.config, self.compaction, self.client = config, compaction, client
+        self.taskset, self.renderer, self.seed = taskset, renderer, seed
+        self.tasks = taskset.tasks(split)
+        if not self.tasks:
+            raise ValueError(f"the environment has no tasks in split {split!r}")
+        self.episode_config = EpisodeConfig(max_turns=config.max_turns, max_tokens=config.max_tokens,
+                                            max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                            top_p=config.top_p, env_in_thread=config.env_in_thread)
+        self.next_group = 0
+        self.completed: deque[Group] = deque()
+        self.running: dict[int, asyncio.Task] = {}
+        self.stale_groups = 0
+        self.stale_rollouts = 0
+        self._launching = True
+
+    @property
+    def target_groups(self) -> int:
+        return math.ceil(self.config.groups_per_step * self.config.oversubscription)
+
+    async def _run_group(self, group_id: int, task: Task) -> None:
+        async def member(i: int) -> Rollout:
+            ep = await run_episode(self.client, self.taskset.make_env(), task, self.renderer, self.compaction,
+                                   self.episode_config, seed=episode_seed(self.seed, group_id, i))
+            return Rollout(ep.reward, ep.won, ep.records, ep.stats.as_dict())
+
+        rollouts = await asyncio.gather(*(member(i) for i in range(self.config.group_size)))
+        self.completed.append(Group(group_id, task, list(rollouts)))
+        del self.running[group_id]
+
+    def fill(self) -> None:
+        while self._launching and len(self.running) + len(self.completed) < self.target_groups:
+            gid = self.next_group
+            self.next_group += 1
+            task = self.tasks[gid % len(self.tasks)]
+            self.running[gid] = asyncio.get_running_loop().create_task(self._run_group(gid, task))
+
+    def _drop_stale(self, step: int) -> None:
+        fresh = deque()
+        for g in self.completed:
+            if step - g.min_version > self.config.async_level:
+                self.stale_groups += 1
+                self.stale_rollouts += len(g.rollouts)
+            else:
+                fresh.append(g)
+        self.completed = fresh
+
+    async def batch(self, step: int) -> list[Group]:
+        """The next ``T`` complete groups usable at trainer step ``step``."""
+        while True:
+            self._drop_stale(step)
+            if len(self.completed) >= self.config.groups_per_step:
+                return [self.completed.popleft() for _ in range(self.config.groups_per_step)]
+            self.fill()
+            if not self.running:
+                raise RuntimeError("no rollout groups running and not enough complete ones")
+            done, _ = await asyncio.wait(list(self.running.values()), return_when=asyncio.FIRST_COMPLETED)
+            for t in done:
+                t.result()  # surface episode errors
+
+    async def drain(self) -> None:
+        """Stop launching, let every running group finish, resume launching."""
+        self._launching = False
+        while self.running:
+            for t in await asyncio.gather(*list(self.running.values()), return_exceptions=True):
+                if isinstance(t, BaseException):
+                    raise t
+        self._launching = True
+
+    def state_dict(self) -> dict:
+        if self.running:
+            raise RuntimeError("drain() before taking the orchestrator's state")
+        return {"next_group": self.next_group, "completed": [g.to_dict() for g in self.completed],
+                "stale_groups": self.stale_groups, "stale_rollouts": self.stale_rollouts}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_group = state["next_group"]
+        self.completed = deque(Group.from_dict(g) for g in state["completed"])
+        self.stale_groups, self.stale_rollouts = state["stale_groups"], state["stale_rollouts"]

@@ -1,0 +1,164 @@
+"""Entry point: ``python -m harness.run CONFIG.toml [--section.key value ...] [--resume]``.
+
+Wires the three roles of prime-rl's layout in one process: inference (the built-in
+engine; SGLang through the same client), the orchestrator (asyncio rollouts) and the
+trainer (FSDP2). Each step: wait for ``T`` fresh groups, train on them (in a worker
+thread while rollouts keep going, unless ``--run.overlap false``), push the weights to
+the engine without touching its KV, log metrics, checkpoint at a drained point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from envs.chat import ChatRenderer
+from envs.client import BuiltinClient
+from envs.registry import make_taskset
+
+from . import checkpoint
+from .config import Config, ConfigError, load_config
+from .loss import group_advantages
+from .metrics import MetricsLog
+from .orchestrator import Group, Orchestrator
+from .trainer import Trainer, TrainSample
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def prepare_model(cfg: Config, out: Path) -> str:
+    if cfg.model.path:
+        return cfg.model.path
+    path = out / "model"
+    if not (path / "config.json").exists():
+        from kvstreams_sglang.testing import build_tiny_model
+
+        t = cfg.model.tiny
+        build_tiny_model(path, num_layers=t.num_layers, hidden_size=t.hidden_size, num_heads=t.num_heads,
+                         num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
+                         seed=t.seed)
+    return str(path)
+
+
+def batch_digest(groups: list[Group]) -> str:
+    """Fingerprint of what a step trained on: which rollouts, their tokens, versions and rewards."""
+    h = hashlib.sha256()
+    for g in groups:
+        for r in g.rollouts:
+            for rec in r.records:
+                h.update(json.dumps([g.group_id, rec.token_ids, rec.policy_versions, r.reward]).encode())
+    return h.hexdigest()[:16]
+
+
+def step_metrics(step: int, groups: list[Group], train: dict, timing: dict, orch: Orchestrator) -> dict:
+    rollouts = [r for g in groups for r in g.rollouts]
+    lags: dict[str, int] = {}
+    for r in rollouts:
+        lag = str(step - r.min_version)
+        lags[lag] = lags.get(lag, 0) + 1
+    s = [r.stats for r in rollouts]
+    gen = sum(x["tokens_generated"] for x in s)
+    turns = sum(x["turns"] for x in s)
+    return {
+        "step": step, "reward": sum(r.reward for r in rollouts) / len(rollouts),
+        "win_rate": sum(r.won for r in rollouts) / len(rollouts),
+        "response_tokens_per_turn": gen / max(1, turns), "turns": turns / len(rollouts),
+        "tokens_generated": gen, "tokens_reprefilled": sum(x["tokens_reprefilled"] for x in s),
+        "peak_live_kv_tokens": max(x["peak_live_tokens"] for x in s),
+        "mean_live_kv_tokens": sum(x["mean_live_tokens"] for x in s) / len(s),
+        "compactions": sum(x["compactions"] for x in s), "pick_fallbacks": sum(x["pick_fallbacks"] for x in s),
+        "lag_histogram": lags, "max_lag": max(int(k) for k in lags),
+        "stale_groups_dropped": orch.stale_groups, "stale_rollouts_dropped": orch.stale_rollouts,
+        "tokens_per_s": gen / max(timing["rollout_s"] + timing["train_s"], 1e-9),
+        "env_steps_per_s": turns / max(timing["rollout_s"] + timing["train_s"], 1e-9),
+        "batch_digest": batch_digest(groups), **timing, **train,
+    }
+
+
+async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> list[dict]:
+    from rich.progress import Progress
+    from transformers import AutoTokenizer
+
+    from kvstreams_sglang.engine import Engine
+
+    out = Path(cfg.run.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(cfg.model_dump_json(indent=1))
+    torch.manual_seed(cfg.run.seed)
+    device = resolve_device(cfg.inference.device)
+    model_path = prepare_model(cfg, out)
+    if cfg.inference.engine != "builtin":
+        raise NotImplementedError("inference.engine = 'sglang' is served by kvstreams_sglang.sglang (separate issue)")
+    trainer = Trainer(model_path, cfg.trainer, device)
+    i = cfg.inference
+    engine = Engine(model_path, kv_dtype=i.kv_dtype, device=device, dtype=torch.float32 if device.type == "cpu"
+                    else None, max_tokens=i.max_tokens, max_streams=i.max_streams, sink=i.sink, recent=i.recent)
+    taskset = make_taskset(cfg.environment.name, cfg.environment.options)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), taskset.make_env().system_prompt)
+    orch = Orchestrator(cfg.orchestrator, cfg.compaction, BuiltinClient(engine), taskset, renderer,
+                        split=cfg.environment.train_split, seed=cfg.run.seed)
+    metrics = MetricsLog(out / "metrics.jsonl")
+    start = 0
+    if resume and (state := checkpoint.load_latest(out / "checkpoints")) is not None:
+        trainer.load_checkpoint_state(state["trainer"])
+        orch.load_state_dict(state["orchestrator"])
+        checkpoint.set_rng_state(state["rng"])
+        start = state["step"]
+        metrics.truncate_after(start - 1)
+    engine.update_weights(trainer.full_state_dict(), version=start)
+    with Progress() as progress:
+        bar = progress.add_task("RL steps", total=cfg.run.steps, completed=start)
+        for step in range(start, cfg.run.steps):
+            t0 = time.perf_counter()
+            groups = await orch.batch(step)
+            orch.fill()  # keep the pool full while training
+            t1 = time.perf_counter()
+            samples = []
+            for g in groups:
+                for r, adv in zip(g.rollouts, group_advantages([r.reward for r in g.rollouts]), strict=True):
+                    samples.extend(TrainSample(rec, adv) for rec in r.records)
+            train = await asyncio.to_thread(trainer.train_step, samples) if overlap else trainer.train_step(samples)
+            t2 = time.perf_counter()
+            engine.update_weights(trainer.full_state_dict(), version=step + 1)  # KV of running streams is kept
+            t3 = time.perf_counter()
+            row = step_metrics(step, groups, train, {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2},
+                               orch)
+            metrics.log(row)
+            progress.update(bar, advance=1, description=f"RL steps (reward {row['reward']:.3f})")
+            if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == cfg.run.steps:
+                await orch.drain()
+                checkpoint.save(out / "checkpoints", step + 1, {"trainer": trainer.checkpoint_state(),
+                                                               "orchestrator": orch.state_dict()})
+    await orch.drain()
+    metrics.plot(out / "metrics.png")
+    return metrics.rows()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("config", nargs="?", help="TOML config (defaults apply when omitted)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.output_dir")
+    p.add_argument("--no-overlap", action="store_true", help="train inline (deterministic, no rollout overlap)")
+    args, overrides = p.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(run(cfg, resume=args.resume, overlap=not args.no_overlap))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

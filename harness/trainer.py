@@ -1,0 +1,124 @@
+"""The trainer: FSDP2-wrapped policy, frozen reference, one optimizer step per batch.
+
+``fully_shard`` on every decoder layer and on the root (one gloo process on CPU,
+``torchrun`` + NCCL on GPUs, bf16 compute with fp32 reduction there). Records are
+scored with ``trainer_masks.score_streams`` -- the same StreamRecords the sampler
+produced, masks and positions included -- in micro-batches whose gradients accumulate
+into one token-level mean over the whole batch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from trainer_masks import StreamRecord, score_streams
+from trainer_masks.lm_head import decoder
+
+from .config import TrainerConfig
+from .loss import policy_loss
+
+
+@dataclass
+class TrainSample:
+    record: StreamRecord
+    advantage: float
+
+
+def init_distributed(device: torch.device) -> None:
+    """One process group: torchrun's when launched by it, else a single local process."""
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+
+
+def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if device.type == "cuda" \
+        else MixedPrecisionPolicy()
+    for layer in decoder(model).layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+class Trainer:
+    def __init__(self, model_path: str, config: TrainerConfig, device: torch.device):
+        from transformers import AutoModelForCausalLM
+
+        init_distributed(device)
+        self.config, self.device = config, device
+        load = dict(dtype=torch.float32)  # fp32 master weights; bf16 compute on GPU via FSDP's policy
+        self.model = shard(AutoModelForCausalLM.from_pretrained(model_path, **load).to(device), device)
+        self.ref = AutoModelForCausalLM.from_pretrained(model_path, **load).to(device).eval()
+        if device.type == "cuda":
+            self.ref.to(torch.bfloat16)
+        self.ref.requires_grad_(False)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
+                                           weight_decay=config.weight_decay)
+        self.step_count = 0
+
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        c = self.config
+        total = sum(sum(s.record.loss_mask) for s in samples)
+        if total == 0:
+            return {"loss_tokens": 0.0}
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        for start in range(0, len(samples), c.micro_batch_records):
+            mb = samples[start:start + c.micro_batch_records]
+            records = [s.record for s in mb]
+            scores = score_streams(self.model, records, impl=c.impl)
+            with torch.no_grad():
+                ref_scores = score_streams(self.ref, records, impl=c.impl)
+            lp, mu, ref, adv = [], [], [], []
+            for s, sc, rs in zip(mb, scores, ref_scores, strict=True):
+                idx = torch.tensor([i for i, m in enumerate(s.record.loss_mask) if m], dtype=torch.long,
+                                   device=self.device)
+                lp.append(sc.logprobs[idx])
+                ref.append(rs.logprobs[idx])
+                mu.append(torch.tensor([s.record.logprobs[i] for i in idx.tolist()], device=self.device))
+                adv.append(torch.full((len(idx),), s.advantage, device=self.device))
+            terms = policy_loss(torch.cat(lp), torch.cat(mu), torch.cat(ref), torch.cat(adv), tis_cap=c.tis_cap,
+                                clip_eps=c.clip_eps, kl_coef=c.kl_coef, total_tokens=total)
+            terms.loss.backward()
+            for k, v in terms.sums.items():
+                sums[k] = sums.get(k, 0.0) + v
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        self.optimizer.step()
+        self.step_count += 1
+        n = max(sums.get("tokens", 1.0), 1.0)
+        return {"loss_tokens": n, "mismatch_abs": sums["mismatch_abs"] / n, "mismatch_kl": sums["mismatch_kl_k3"] / n,
+                "tis_clip_frac": sums["tis_clipped"] / n, "kl_ref": sums["kl_ref"] / n,
+                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights for the inference engine (every rank must call it)."""
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def checkpoint_state(self) -> dict:
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return {"model": get_model_state_dict(self.model, options=opts),
+                "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=opts),
+                "step": self.step_count}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.model, state["model"], options=opts)
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=opts)
+        self.step_count = state["step"]
