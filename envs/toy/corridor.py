@@ -2,10 +2,12 @@
 
 Each observation names the correct door (``LEFT`` or ``RIGHT``); the agent passes the
 room by choosing it, otherwise it bumps into a wall and stays. Reward: 1/rooms per room
-passed, so an episode earns between 0 and 1. The action is read leniently -- "left"/"l"
-or "right"/"r" when the text starts with one, otherwise the parity of its first byte --
+passed, so an episode earns between 0 and 1. The action is read leniently -- "left" or
+"right" when the text starts with one, otherwise whether its first character is ASCII --
 so that an untrained byte-level model explores both doors and RL has a signal from the
-first step (this environment exists to test the RL loop, not language skill).
+first step (this environment exists to test the RL loop, not language skill). With
+``doors="left"`` every exit is on the left: the policy only has to learn a preference,
+the quickest signal for a learning check; ``"random"`` makes it read the hint.
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ from ..protocol import StepResult, Task
 
 def read_door(action: str) -> str:
     text = action.strip().lower()
-    if text.startswith(("left", "l")):
+    if text.startswith("left"):
         return "LEFT"
-    if text.startswith(("right", "r")):
+    if text.startswith("right"):
         return "RIGHT"
-    first = text.encode("utf-8")[:1]
-    return "LEFT" if not first or first[0] % 2 == 0 else "RIGHT"
+    # Anything else: an ASCII first character means left. A random byte-level model starts
+    # with an ASCII byte about 40% of the time (other bytes decode to U+FFFD), so both
+    # doors are explored and the choice is a broad class of tokens, easy to shift.
+    return "LEFT" if text[:1].isascii() and text[:1] != "" else "RIGHT"
 
 
 class Corridor:
     system_prompt = "You walk through a corridor of rooms. In each room answer with the door to take: left or right."
 
-    def __init__(self, rooms: int = 3):
-        self.rooms = rooms
+    def __init__(self, rooms: int = 3, doors: str = "random"):
+        if doors not in ("random", "left"):
+            raise ValueError(f"doors must be 'random' (read the hint) or 'left' (always left), got {doors!r}")
+        self.rooms, self.door_rule = rooms, doors
         self.doors: list[str] = []
         self.room = 0
 
@@ -38,7 +44,8 @@ class Corridor:
 
     def reset(self, task: Task) -> str:
         rng = random.Random(task.task_id)
-        self.doors = [rng.choice(["LEFT", "RIGHT"]) for _ in range(self.rooms)]
+        choices = ["LEFT", "RIGHT"] if self.door_rule == "random" else ["LEFT"]
+        self.doors = [rng.choice(choices) for _ in range(self.rooms)]
         self.room = 0
         return self._observation()
 
@@ -60,12 +67,12 @@ class Corridor:
 class CorridorTasks:
     """Deterministic task ids: ``train-i`` and ``eval-i`` draw their doors from their id."""
 
-    def __init__(self, rooms: int = 3, num_train: int = 1000, num_eval: int = 64):
-        self.rooms, self.num_train, self.num_eval = rooms, num_train, num_eval
+    def __init__(self, rooms: int = 3, num_train: int = 1000, num_eval: int = 64, doors: str = "random"):
+        self.rooms, self.num_train, self.num_eval, self.doors = rooms, num_train, num_eval, doors
 
     def tasks(self, split: str) -> list[Task]:
         n = self.num_train if split == "train" else self.num_eval
         return [Task(f"{split}-{i}", split) for i in range(n)]
 
     def make_env(self) -> Corridor:
-        return Corridor(self.rooms)
+        return Corridor(self.rooms, self.doors)

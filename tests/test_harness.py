@@ -1,0 +1,119 @@
+"""The async RL harness: configs, short runs per strategy, the lag bound, resume, learning."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from harness.config import load_config
+from harness.loss import group_advantages, policy_loss
+from harness.run import main, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def small(tmp_path, name, *extra):
+    return load_config(os.path.join(ROOT, "configs/demo.toml"), [
+        "--run.output_dir", str(tmp_path / name), "--orchestrator.group_size", "2",
+        "--orchestrator.groups_per_step", "2", "--orchestrator.max_turns", "5", "--run.steps", "3",
+        "--compaction.max_turns", "2", "--compaction.stride", "1", *extra])
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--compaction.strategy", "windowed"], "compaction.strategy"),
+    (["--compaction.budget", "-1"], "compaction.budget"),
+    (["--inference.kv_dtype", "kv4rl", "--compaction.budget", "100"], "sink + inference.recent"),
+    (["--trainer.learning_rate", "1e-6"], "trainer.learning_rate: Extra inputs are not permitted"),
+])
+def test_bad_config_fails_before_anything_starts(argv, message, capsys, tmp_path):
+    assert main(["configs/demo.toml", "--run.output_dir", str(tmp_path / "x"), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_group_advantages_are_normalised_within_the_group():
+    adv = group_advantages([1.0, 0.0, 0.0, 1.0])
+    assert adv == pytest.approx([1.0, -1.0, -1.0, 1.0], abs=1e-5)
+    assert group_advantages([0.5, 0.5]) == [0.0, 0.0]
+
+
+def test_policy_loss_truncates_importance_weights_and_counts_clips():
+    lp = torch.tensor([-1.0, -1.0, -2.0], requires_grad=True)
+    mu = torch.tensor([-1.0, -4.0, -2.0])  # token 2: pi/mu = e^3 > C = 5
+    terms = policy_loss(lp, mu, lp.detach(), torch.tensor([1.0, 1.0, -1.0]), tis_cap=5.0, clip_eps=0.2,
+                        kl_coef=0.0, total_tokens=3)
+    terms.loss.backward()
+    assert terms.sums["tis_clipped"] == 1
+    assert lp.grad.tolist() == pytest.approx([-1 / 3, -5 / 3, 1 / 3])  # -w * A / N
+
+
+@pytest.mark.parametrize("strategy,execution", [
+    ("summary", "kv_streams"), ("markovian_thinker", "kv_streams"), ("markovian_pick", "kv_streams"),
+    ("sliding_window", "kv_streams"), ("sliding_window", "reprefill"),
+])
+def test_three_step_run_per_strategy(strategy, execution, tmp_path):
+    cfg = small(tmp_path, f"{strategy}-{execution}", "--compaction.strategy", strategy,
+                "--compaction.execution", execution, "--compaction.summary_max_tokens", "4",
+                "--compaction.pick_max_tokens", "4")
+    rows = asyncio.run(run(cfg, overlap=False))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    reprefilled = sum(r["tokens_reprefilled"] for r in rows)
+    assert sum(r["compactions"] for r in rows) > 0
+    assert reprefilled == 0 if execution == "kv_streams" else reprefilled > 0
+    assert (tmp_path / f"{strategy}-{execution}" / "metrics.png").exists()
+
+
+def test_no_trained_sample_is_staler_than_async_level(tmp_path):
+    cfg = small(tmp_path, "lag", "--orchestrator.async_level", "1", "--orchestrator.oversubscription", "3",
+                "--run.steps", "5", "--environment.options.rooms", "4", "--orchestrator.max_turns", "8")
+    rows = asyncio.run(run(cfg, overlap=True))
+    assert all(r["max_lag"] <= 1 for r in rows)
+    assert max(int(k) for r in rows for k in r["lag_histogram"]) >= 1  # off-policy data was actually used
+    assert "stale_rollouts_dropped" in rows[-1]
+    print("lag histograms:", [r["lag_histogram"] for r in rows], "stale dropped:", rows[-1]["stale_rollouts_dropped"])
+
+
+def run_cli(out, steps, *extra):
+    return [sys.executable, "-m", "harness.run", "configs/demo.toml", "--run.output_dir", str(out), "--run.steps",
+            str(steps), "--run.checkpoint_every", "2", "--orchestrator.group_size", "2",
+            "--orchestrator.groups_per_step", "2", "--orchestrator.max_turns", "5",
+            "--orchestrator.env_in_thread", "false", "--no-overlap", *extra]
+
+
+def digests(out):
+    return [json.loads(line)["batch_digest"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_killed_run_resumes_with_the_same_trained_data(tmp_path):
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    subprocess.run(run_cli(tmp_path / "straight", 4), cwd=ROOT, env=env, check=True, capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(run_cli(killed, 4), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    latest = killed / "checkpoints" / "latest"
+    deadline = time.time() + 300
+    while not (latest.exists() and latest.read_text().strip() == "step_000002.pt"):
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its step-2 checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    subprocess.run(run_cli(killed, 4, "--resume"), cwd=ROOT, env=env, check=True, capture_output=True)
+    assert digests(killed) == digests(tmp_path / "straight") and len(digests(killed)) == 4
+
+
+def test_reward_rises_on_the_toy_corridor(tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs/demo.toml"), [
+        "--run.output_dir", str(tmp_path / "learn"), "--run.steps", "16", "--run.checkpoint_every", "100",
+        "--orchestrator.env_in_thread", "false",
+        "--environment.options.doors", "left", "--orchestrator.groups_per_step", "2", "--trainer.lr", "2e-2",
+        "--orchestrator.max_new_tokens", "2"])
+    rows = asyncio.run(run(cfg, overlap=False))
+    first, last = [r["reward"] for r in rows[:4]], [r["reward"] for r in rows[-4:]]
+    print("reward per step:", [round(r["reward"], 3) for r in rows])
+    assert sum(last) / 4 > sum(first) / 4 + 0.15
