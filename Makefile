@@ -6,7 +6,7 @@ PYTHON ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NEEDS_SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),setup)
 
-.PHONY: setup test lint demo bench clean
+.PHONY: setup test lint demo bench clean textworld alfworld swe train
 
 setup: $(STAMP)
 
@@ -27,6 +27,19 @@ lint: $(NEEDS_SETUP)
 
 demo: $(NEEDS_SETUP)
 	$(PYTHON) -m kvstreams_sglang.demo
+
+# RL runs: make textworld STRATEGY=sliding_window EXEC=kv_streams KV=kv4rl ARGS="--trainer.lr 2e-6"
+STRATEGY ?= sliding_window
+EXEC ?= kv_streams
+KV ?= bf16
+ARGS ?=
+
+textworld alfworld swe: $(NEEDS_SETUP)
+	$(PYTHON) -m harness.run configs/$@/$(STRATEGY).toml --compaction.execution $(EXEC) --inference.kv_dtype $(KV) $(ARGS)
+
+# the CPU-sized RL run of configs/demo.toml (toy corridor, tiny model)
+train: $(NEEDS_SETUP)
+	$(PYTHON) -m harness.run configs/demo.toml $(ARGS)
 
 bench: $(NEEDS_SETUP)
 	$(PYTHON) -m bench.decode_attention

@@ -117,3 +117,11 @@ def test_reward_rises_on_the_toy_corridor(tmp_path):
     first, last = [r["reward"] for r in rows[:4]], [r["reward"] for r in rows[-4:]]
     print("reward per step:", [round(r["reward"], 3) for r in rows])
     assert sum(last) / 4 > sum(first) / 4 + 0.15
+
+
+@pytest.mark.parametrize("path", sorted(p for p in os.listdir(os.path.join(ROOT, "configs")) if p.endswith(".toml"))
+                         + sorted(f"{d}/{f}" for d in ("textworld", "alfworld", "swe")
+                                  for f in os.listdir(os.path.join(ROOT, "configs", d))))
+def test_shipped_configs_validate(path):
+    cfg = load_config(os.path.join(ROOT, "configs", path))
+    assert cfg.compaction.strategy in path or path == "demo.toml"
