@@ -31,8 +31,7 @@ def reference_logprobs(model, record):
     pos = torch.tensor(record.positions)[None]
     mask = hand_mask(record)[None, None]
     with torch.no_grad():
-        logits = model(input_ids=ids, position_ids=pos,
-                       attention_mask={"full_attention": mask, "sliding_attention": mask}).logits[0]
+        logits = model(input_ids=ids, position_ids=pos, attention_mask=mask).logits[0]
     lp = torch.log_softmax(logits.float(), -1)
     return {i: float(lp[i - 1, record.token_ids[i]]) for i in range(1, len(record.token_ids))
             if record.sources[i] == "model"}
@@ -175,3 +174,21 @@ def test_kv4rl_engine_tracks_the_bf16_engine(tiny_model_path, hf_model, device):
     diff = max_diff(hf_model, rec)
     print(f"kv4rl vs exact logprobs on a random tiny model: max abs diff {diff:.4f}")
     assert diff < 0.1 and eng.stats.tokens_reprefilled == 0
+
+
+def test_llama_checkpoints_load_and_match_transformers(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
+    eng = Engine(str(tmp_path / "llama"), max_tokens=1024)
+    sid = eng.open_stream(list(range(10, 60)))
+    eng.generate(sid, max_new_tokens=6, seed=0)
+    eng.append(sid, list(range(70, 80)))
+    eng.evict(sid, [(5, 30)])
+    eng.generate(sid, max_new_tokens=6, seed=1)
+    ref_model = LlamaForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    assert max_diff(ref_model, eng.stream_record(sid)) <= 1e-5

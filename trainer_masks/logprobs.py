@@ -64,13 +64,15 @@ def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None
             model.set_attn_implementation(previous)
 
 
-def layer_masks(model: torch.nn.Module, mask: torch.Tensor | object) -> dict[str, object]:
-    """The dict that bypasses transformers' mask construction: one mask per layer type."""
+def layer_masks(model: torch.nn.Module, mask: torch.Tensor | object) -> torch.Tensor | object:
+    """The mask to hand the model: a ready 4D mask or BlockMask, which transformers' mask
+    construction passes through unchanged (every model family accepts it, unlike the
+    per-layer-type dict only some accept)."""
     layer_types = set(getattr(model.config.get_text_config(), "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"}:
         # A sliding-window layer needs the window *and* the eviction rule; refuse rather than drop the window.
         raise NotImplementedError(f"only full-attention layers are supported, model has {sorted(layer_types)}")
-    return {"full_attention": mask}
+    return mask
 
 
 def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
