@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ..kv4.cache import KV4LayerCache
 from .quantize import kv4_quantize_query
+from .tiles import int4_tile, int8_tile
 
 LOG2E = 1.4426950408889634
 
@@ -73,27 +74,9 @@ def _decode_kernel(
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < hi
             slot = tl.load(KvIndices + start + n, mask=nmask, other=0).to(tl.int64)
-            code_ptr = slot[:, None] * stride_cs + hk * stride_ch + d[None, :]
-            meta_ptr = slot * stride_ms + hk * stride_mh
-            kc = tl.load(KCodes + code_ptr, mask=nmask[:, None], other=0)  # [BLOCK_N, HALF] uint8
-            k_scale = tl.load(KMeta + meta_ptr, mask=nmask, other=0.0).to(tl.float32)
-            k_off = tl.load(KMeta + meta_ptr + 1, mask=nmask, other=0.0).to(tl.float32)
-            vc = tl.load(VCodes + code_ptr, mask=nmask[:, None], other=0)
-            v_scale = tl.load(VMeta + meta_ptr, mask=nmask, other=0.0).to(tl.float32)
-            v_off = tl.load(VMeta + meta_ptr + 1, mask=nmask, other=0.0).to(tl.float32)
-
-            qk = tl.dot(q_lo, tl.trans((kc & 15).to(tl.int8))) + tl.dot(q_hi, tl.trans((kc >> 4).to(tl.int8)))
-            s = qs[:, None] * (k_scale[None, :] * qk.to(tl.float32) + k_off[None, :] * q_sum[:, None])
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = (p * v_scale[None, :]).to(tl.float16)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, (vc & 15).to(tl.float16))
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, (vc >> 4).to(tl.float16))
-            acc_off = acc_off * alpha + tl.sum(p * v_off[None, :], 1)
-            m_i = m_new
+            m_i, l_i, acc_lo, acc_hi, acc_off = int4_tile(
+                q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nmask, hk,
+                KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh, HALF)
         acc_lo += acc_off[:, None]
         acc_hi += acc_off[:, None]
     else:
@@ -105,25 +88,9 @@ def _decode_kernel(
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < length
             slot = tl.load(SideIndices + start + n, mask=nmask, other=0).to(tl.int64)
-            ptr = slot[:, None] * stride_ss + hk * stride_sh + d[None, :]
-            k_lo = tl.load(KSide + ptr, mask=nmask[:, None], other=0)
-            k_hi = tl.load(KSide + ptr + HALF, mask=nmask[:, None], other=0)
-            k_scale = tl.load(KSideScale + slot * stride_scs + hk * stride_sch, mask=nmask, other=0.0)
-            v_lo = tl.load(VSide + ptr, mask=nmask[:, None], other=0)
-            v_hi = tl.load(VSide + ptr + HALF, mask=nmask[:, None], other=0)
-            v_scale = tl.load(VSideScale + slot * stride_scs + hk * stride_sch, mask=nmask, other=0.0)
-
-            qk = tl.dot(q_lo, tl.trans(k_lo)) + tl.dot(q_hi, tl.trans(k_hi))
-            s = qs[:, None] * k_scale.to(tl.float32)[None, :] * qk.to(tl.float32)
-            s = tl.where(nmask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            pv = (p * v_scale.to(tl.float32)[None, :]).to(tl.float16)
-            acc_lo = acc_lo * alpha[:, None] + tl.dot(pv, v_lo.to(tl.float16))
-            acc_hi = acc_hi * alpha[:, None] + tl.dot(pv, v_hi.to(tl.float16))
-            m_i = m_new
+            m_i, l_i, acc_lo, acc_hi = int8_tile(
+                q_lo, q_hi, qs, m_i, l_i, acc_lo, acc_hi, slot, nmask, hk,
+                KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, HALF)
 
     # An empty chunk leaves l_i = 0: it writes out = 0 and lse = -inf, which the merge ignores.
     denom = tl.where(l_i > 0, l_i, 1.0)

@@ -17,14 +17,7 @@ import triton.language as tl
 from ..kv4.cache import KV4LayerCache
 from .decode import LOG2E
 from .quantize import kv4_quantize_query
-
-
-@triton.jit
-def _online_update(s, m_i, l_i, acc_lo, acc_hi):
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    return p, m_new, l_i * alpha + tl.sum(p, 1), acc_lo * alpha[:, None], acc_hi * alpha[:, None], alpha
+from .tiles import int4_tile, int8_tile, online_update
 
 
 @triton.jit
@@ -72,22 +65,9 @@ def _extend_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < length
         slot = tl.load(KvIndices + start + n, mask=nmask, other=0).to(tl.int64)
-        code_ptr = slot[:, None] * stride_cs + hk * stride_ch + d[None, :]
-        meta_ptr = slot * stride_ms + hk * stride_mh
-        kc = tl.load(KCodes + code_ptr, mask=nmask[:, None], other=0)
-        k_scale = tl.load(KMeta + meta_ptr, mask=nmask, other=0.0).to(tl.float32)
-        k_off = tl.load(KMeta + meta_ptr + 1, mask=nmask, other=0.0).to(tl.float32)
-        vc = tl.load(VCodes + code_ptr, mask=nmask[:, None], other=0)
-        v_scale = tl.load(VMeta + meta_ptr, mask=nmask, other=0.0).to(tl.float32)
-        v_off = tl.load(VMeta + meta_ptr + 1, mask=nmask, other=0.0).to(tl.float32)
-        qk = tl.dot(q8_lo, tl.trans((kc & 15).to(tl.int8))) + tl.dot(q8_hi, tl.trans((kc >> 4).to(tl.int8)))
-        s = qs[:, None] * (k_scale[None, :] * qk.to(tl.float32) + k_off[None, :] * q_sum[:, None])
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        p, m_i, l_i, acc_lo, acc_hi, alpha = _online_update(s, m_i, l_i, acc_lo, acc_hi)
-        pv = (p * v_scale[None, :]).to(tl.float16)
-        acc_lo += tl.dot(pv, (vc & 15).to(tl.float16))
-        acc_hi += tl.dot(pv, (vc >> 4).to(tl.float16))
-        acc_off = acc_off * alpha + tl.sum(p * v_off[None, :], 1)
+        m_i, l_i, acc_lo, acc_hi, acc_off = int4_tile(
+            q8_lo, q8_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nmask, hk,
+            KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh, HALF)
     acc_lo += acc_off[:, None]
     acc_hi += acc_off[:, None]
 
@@ -98,20 +78,9 @@ def _extend_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < length
         slot = tl.load(SideIndices + start + n, mask=nmask, other=0).to(tl.int64)
-        ptr = slot[:, None] * stride_ss + hk * stride_sh + d[None, :]
-        k_lo = tl.load(KSide + ptr, mask=nmask[:, None], other=0)
-        k_hi = tl.load(KSide + ptr + HALF, mask=nmask[:, None], other=0)
-        k_scale = tl.load(KSideScale + slot * stride_scs + hk * stride_sch, mask=nmask, other=0.0).to(tl.float32)
-        v_lo = tl.load(VSide + ptr, mask=nmask[:, None], other=0)
-        v_hi = tl.load(VSide + ptr + HALF, mask=nmask[:, None], other=0)
-        v_scale = tl.load(VSideScale + slot * stride_scs + hk * stride_sch, mask=nmask, other=0.0).to(tl.float32)
-        qk = tl.dot(q8_lo, tl.trans(k_lo)) + tl.dot(q8_hi, tl.trans(k_hi))
-        s = qs[:, None] * k_scale[None, :] * qk.to(tl.float32)
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        p, m_i, l_i, acc_lo, acc_hi, alpha = _online_update(s, m_i, l_i, acc_lo, acc_hi)
-        pv = (p * v_scale[None, :]).to(tl.float16)
-        acc_lo += tl.dot(pv, v_lo.to(tl.float16))
-        acc_hi += tl.dot(pv, v_hi.to(tl.float16))
+        m_i, l_i, acc_lo, acc_hi = int8_tile(
+            q8_lo, q8_hi, qs, m_i, l_i, acc_lo, acc_hi, slot, nmask, hk,
+            KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, HALF)
 
     # ---- new tokens, full precision, causal ----
     q_ptr = Q + t[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :]
@@ -129,7 +98,7 @@ def _extend_kernel(
             tl.dot(q_hi, tl.trans(k_hi), input_precision=DOT_PREC)
         s = qk * fs
         s = tl.where(jmask[None, :] & (j[None, :] <= t_rel[:, None]), s, float("-inf"))
-        p, m_i, l_i, acc_lo, acc_hi, alpha = _online_update(s, m_i, l_i, acc_lo, acc_hi)
+        p, m_i, l_i, acc_lo, acc_hi, alpha = online_update(s, m_i, l_i, acc_lo, acc_hi)
         v_ptr = VNew + (q_start + j)[:, None] * stride_vt + hk * stride_vh + d[None, :]
         v_lo = tl.load(v_ptr, mask=jmask[:, None], other=0.0)
         v_hi = tl.load(v_ptr + HALF, mask=jmask[:, None], other=0.0)
