@@ -73,35 +73,58 @@ class Trainer:
         self.step_count = 0
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step on the whole batch. Data parallel: rank ``r`` scores
+        ``samples[r::world]``; the loss is a mean over the *global* loss tokens, scaled by
+        the world size because FSDP averages gradients over ranks."""
         c = self.config
         total = sum(sum(s.record.loss_mask) for s in samples)
         if total == 0:
             return {"loss_tokens": 0.0}
+        world, rank = dist.get_world_size(), dist.get_rank()
+        # every rank must run the same number of forwards (FSDP's collectives); short ranks
+        # repeat a sample with zero weight
+        per_rank = -(-len(samples) // world)
+        local = samples[rank::world]
+        weights = [1.0] * len(local) + [0.0] * (per_rank - len(local))
+        local = local + [samples[0]] * (per_rank - len(local))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        for start in range(0, len(samples), c.micro_batch_records):
-            mb = samples[start:start + c.micro_batch_records]
+        sums = dict.fromkeys(("mismatch_abs", "mismatch_kl_k3", "tis_clipped", "kl_ref", "tokens"), 0.0)
+        for start in range(0, len(local), c.micro_batch_records):
+            mb = local[start:start + c.micro_batch_records]
+            mb_weights = weights[start:start + c.micro_batch_records]
             records = [s.record for s in mb]
             scores = score_streams(self.model, records, impl=c.impl)
             with torch.no_grad():
                 ref_scores = score_streams(self.ref, records, impl=c.impl)
             lp, mu, ref, adv = [], [], [], []
-            for s, sc, rs in zip(mb, scores, ref_scores, strict=True):
+            padding = torch.zeros((), device=self.device)
+            for s, sc, rs, weight in zip(mb, scores, ref_scores, mb_weights, strict=True):
+                if weight == 0.0:
+                    padding = padding + sc.logprobs.sum() * 0.0  # runs FSDP's backward hooks, adds nothing
+                    continue
                 idx = torch.tensor([i for i, m in enumerate(s.record.loss_mask) if m], dtype=torch.long,
                                    device=self.device)
                 lp.append(sc.logprobs[idx])
                 ref.append(rs.logprobs[idx])
                 mu.append(torch.tensor([s.record.logprobs[i] for i in idx.tolist()], device=self.device))
                 adv.append(torch.full((len(idx),), s.advantage, device=self.device))
+            if not lp:
+                padding.backward()
+                continue
             terms = policy_loss(torch.cat(lp), torch.cat(mu), torch.cat(ref), torch.cat(adv), tis_cap=c.tis_cap,
                                 clip_eps=c.clip_eps, kl_coef=c.kl_coef, total_tokens=total)
-            terms.loss.backward()
+            (terms.loss * world + padding).backward()
             for k, v in terms.sums.items():
-                sums[k] = sums.get(k, 0.0) + v
+                sums[k] += v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
         self.optimizer.step()
         self.step_count += 1
+        if world > 1:  # metrics over the global batch
+            keys = sorted(sums)
+            t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            sums = dict(zip(keys, t.tolist(), strict=True))
         n = max(sums.get("tokens", 1.0), 1.0)
         return {"loss_tokens": n, "mismatch_abs": sums["mismatch_abs"] / n, "mismatch_kl": sums["mismatch_kl_k3"] / n,
                 "tis_clip_frac": sums["tis_clipped"] / n, "kl_ref": sums["kl_ref"] / n,

@@ -1,0 +1,34 @@
+"""torchrun helper for test_trainer_data_parallel: one train step, then rank 0 saves the weights."""
+
+import sys
+
+import torch
+
+from harness.config import TrainerConfig
+from harness.trainer import Trainer, TrainSample
+from trainer_masks import StreamRecord
+
+
+def samples() -> list[TrainSample]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(5):  # odd on purpose: one rank gets fewer records
+        n = 20 + 7 * i
+        ids = torch.randint(0, 256, (n,), generator=g).tolist()
+        src = ["prompt"] * 8 + ["model"] * (n - 8)
+        lps = [None] * 8 + (-torch.rand(n - 8, generator=g) * 5).tolist()
+        rec = StreamRecord(token_ids=ids, positions=list(range(n)), sources=src, loss_mask=[s == "model" for s in src],
+                           logprobs=lps, policy_versions=[None] * 8 + [0] * (n - 8),
+                           evictions=[dict(at_index=n - 3, spans=[(2, 6)])])
+        out.append(TrainSample(rec, advantage=(-1.0) ** i * (i + 1) / 3))
+    return out
+
+
+if __name__ == "__main__":
+    model_path, out_path = sys.argv[1], sys.argv[2]
+    trainer = Trainer(model_path, TrainerConfig(lr=1e-2, micro_batch_records=2, impl="sdpa"), torch.device("cpu"))
+    metrics = trainer.train_step(samples())
+    state = trainer.full_state_dict()
+    if torch.distributed.get_rank() == 0:
+        torch.save({"state": state, "metrics": metrics}, out_path)
+    torch.distributed.destroy_process_group()
