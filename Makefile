@@ -6,7 +6,7 @@ PYTHON ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NEEDS_SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),setup)
 
-.PHONY: setup test lint demo bench clean textworld alfworld swe train
+.PHONY: setup test lint demo bench clean textworld alfworld swe train setup-swe swe-data
 
 setup: $(STAMP)
 
@@ -36,6 +36,14 @@ ARGS ?=
 
 textworld alfworld swe: $(NEEDS_SETUP)
 	$(PYTHON) -m harness.run configs/$@/$(STRATEGY).toml --compaction.execution $(EXEC) --inference.kv_dtype $(KV) $(ARGS)
+
+# SWE tasks offline: system tools for the sandbox, then build and validate the task set
+setup-swe:
+	apt-get update && apt-get install -y bubblewrap git patch
+
+swe-data: $(NEEDS_SETUP)
+	$(PYTHON) -m envs.swe.build --libs toolz,cachetools,parse,tabulate,boltons --per-lib 40 --max-per-function 2 --out data/swe
+	$(PYTHON) -m envs.swe.validate --out data/swe --sample 30
 
 # the CPU-sized RL run of configs/demo.toml (toy corridor, tiny model)
 train: $(NEEDS_SETUP)

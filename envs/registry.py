@@ -25,7 +25,7 @@ def make_taskset(name: str, options: dict[str, Any] | None = None) -> TaskSet:
 
         return AlfWorldTasks(**options)
     if name == "swe":
-        from .swe import SweTasks
+        from .swe import SweTaskSet
 
-        return SweTasks(**options)
+        return SweTaskSet(**options)
     raise ValueError(f"unknown environment {name!r}: expected toy, textworld, alfworld or swe")
