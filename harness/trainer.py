@@ -10,6 +10,7 @@ into one token-level mean over the whole batch.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +37,19 @@ class TrainSample:
     advantage: float
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def init_distributed(device: torch.device) -> None:
     """One process group: torchrun's when launched by it, else a single local process."""
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 
