@@ -16,7 +16,8 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install --upgrade pip
 	$(VENV)/bin/python -m pip install torch==2.13.0
-	$(VENV)/bin/python -m pip install -e ".[dev]"
+	# fast-downward-textworld (ALFWorld) builds by calling a bare `python`: the venv must come first on PATH
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python -m pip install -e ".[dev,textworld,alfworld]"
 	touch $(STAMP)
 
 test: $(NEEDS_SETUP)

@@ -18,12 +18,14 @@ def make_taskset(name: str, options: dict[str, Any] | None = None) -> TaskSet:
         return CorridorTasks(**options)
     if name == "textworld":
         from .textworld import TextWorldTasks
+        from .textworld.tasks import TextWorldConfig
 
-        return TextWorldTasks(**options)
+        return TextWorldTasks(TextWorldConfig(**options))
     if name == "alfworld":
         from .alfworld import AlfWorldTasks
+        from .alfworld.tasks import AlfWorldConfig
 
-        return AlfWorldTasks(**options)
+        return AlfWorldTasks(AlfWorldConfig(**options))
     if name == "swe":
         from .swe import SweTaskSet
 

@@ -44,14 +44,15 @@ def free_port() -> int:
 
 
 def init_distributed(device: torch.device) -> None:
-    """One process group: torchrun's when launched by it, else a single local process."""
+    """One process group: torchrun's when launched by it, else a single local process (on a
+    free port, leaving the environment untouched so child processes start their own)."""
     if dist.is_initialized():
         return
-    if "RANK" not in os.environ:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
 
 def shard(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:

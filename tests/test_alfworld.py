@@ -1,0 +1,164 @@
+"""ALFWorld: the release's 140 seen and 134 unseen evaluation games (and 200 training games)
+rebuilt offline, solved by the hand-coded expert, capped cleanly, and played by a tiny model
+through the agent loop with every compaction strategy, all on reused player processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from env_loop import env_text, play_tiny
+
+from envs.alfworld.data import RELEASE, GameFiles, GameLogic, source_root
+from envs.alfworld.env import AlfWorldEnv
+from envs.alfworld.tasks import AlfWorldConfig, AlfWorldTasks
+from envs.compaction import STRATEGIES
+
+
+@pytest.fixture(scope="session")
+def alfworld(tmp_path_factory):
+    """One task set (data extracted and rebuilt into a fresh cache) and its process pool for
+    the whole session."""
+    taskset = AlfWorldTasks(AlfWorldConfig(cache_dir=tmp_path_factory.mktemp("alfworld")))
+    yield taskset
+    taskset.close()
+
+
+def sample(tasks: list, n: int = 20) -> list:
+    """``n`` tasks, every task type in turn, each type's picks spread over its games."""
+    by_type = defaultdict(list)
+    for task in tasks:
+        by_type[task.payload["task_type"]].append(task)
+    spread = [(i / len(group), kind, i) for kind, group in by_type.items() for i in range(len(group))]
+    return [by_type[kind][i] for _, kind, i in sorted(spread)[:n]]
+
+
+def play_expert(env: AlfWorldEnv, task) -> tuple[bool, int]:
+    env.reset(task)
+    while True:
+        action = env.expert_action()
+        result = env.step(action if action is not None else "look")
+        if result.done:
+            return result.info["won"], result.info["steps"]
+
+
+def test_eval_splits_hold_140_seen_and_134_unseen_games_that_load(alfworld):
+    seen, unseen, train = (alfworld.tasks(s) for s in ("eval_seen", "eval_unseen", "train"))
+    assert (len(seen), len(unseen), len(train)) == (140, 134, 200)
+    assert len(alfworld.tasks("eval")) == 274
+    assert not {t.task_id for t in seen} & {t.task_id for t in unseen}
+    logic = GameLogic.installed()
+    for task in seen + unseen:
+        game = json.loads(Path(task.payload["gamefile"]).read_text())
+        traj = json.loads((Path(task.payload["gamefile"]).parent / "traj_data.json").read_text())
+        assert game["pddl_domain"] == logic.domain  # rebuilt with the installed package's logic
+        assert "(:goal" in game["pddl_problem"] and game["solvable"]
+        assert task.payload["task_type"] == traj["task_type"]
+    # Loading in TextWorld's PDDL engine (grounding included) is a second a game: the expert
+    # tests below load 40 of them; test_expert_on_every_eval_game loads all 274.
+
+
+EXPERT_STEPS = 200  # the expert's own limit (it gives up after 200 commands, as in AlfredExpert)
+
+
+def play_split(alfworld, games) -> list[tuple[bool, int]]:
+    """The expert on ``games`` up to its own step limit, on two player processes (one per core)."""
+
+    def play(chunk):
+        env = AlfWorldEnv(alfworld.pool, max_steps=EXPERT_STEPS)
+        try:
+            return [play_expert(env, t) for t in chunk]
+        finally:
+            env.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        return [r for chunk in pool.map(play, (games[0::2], games[1::2])) for r in chunk]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("KVSTREAMS_ALFWORLD_FULL"), reason="minutes: set KVSTREAMS_ALFWORLD_FULL=1")
+@pytest.mark.parametrize("split", ["eval_seen", "eval_unseen"])
+def test_expert_on_every_eval_game(split, alfworld):
+    """Every game loads in the engine; the expert's rate over the whole split."""
+    results = play_split(alfworld, alfworld.tasks(split))
+    rate = sum(won for won, _ in results) / len(results)
+    in_budget = sum(won and steps <= 50 for won, steps in results) / len(results)
+    print(f"\n{split}: expert solves {rate:.1%} of all {len(results)} games ({in_budget:.1%} within 50 steps)")
+    assert rate >= 0.95
+
+
+@pytest.mark.parametrize("split", ["eval_seen", "eval_unseen"])
+def test_expert_solves_at_least_95_percent_of_a_20_game_sample(split, alfworld):
+    """Solved = won before the expert gives up; some take it 50-100 commands (it searches
+    receptacles one by one), more than the 50-step budget agents get, so that rate is printed."""
+    games = sample(alfworld.tasks(split))
+    results = play_split(alfworld, games)
+    rate = sum(won for won, _ in results) / len(results)
+    in_budget = sum(won and steps <= 50 for won, steps in results) / len(results)
+    print(f"\n{split}: expert solves {rate:.0%} of {len(results)} games ({in_budget:.0%} within the standard "
+          f"50-step budget); steps {sorted(steps for _, steps in results)}")
+    assert len(results) == 20 and len({t.payload["task_type"] for t in games}) == 6
+    assert rate >= 0.95
+
+
+def test_random_policy_stops_cleanly_at_the_step_cap_and_the_process_is_reused(alfworld):
+    tasks = alfworld.tasks("eval_unseen")
+    env = AlfWorldEnv(alfworld.pool, max_steps=8)
+    rng = random.Random(0)
+    env.reset(tasks[0])
+    results = []
+    for _ in range(8):
+        results.append(env.step(rng.choice(env.admissible_commands() + ["fly to the moon"])))
+        if results[-1].done:
+            break
+    pid = env._proc.pid
+    env.close()
+    assert len(results) == 8 and [r.done for r in results] == [False] * 7 + [True]
+    assert results[-1].info["truncated"] and not results[-1].info["won"]
+    again = AlfWorldEnv(alfworld.pool)
+    assert again.reset(tasks[1]).startswith("Your task is to:")
+    assert again._proc.pid == pid  # the pool handed the same process back, warm
+    again.close()
+
+
+def test_first_message_is_the_goal_then_the_room_and_bad_commands_get_the_games_answer(alfworld):
+    env = alfworld.make_env()
+    try:
+        first = env.reset(alfworld.tasks("eval_seen")[0])
+        answers = [env.step(a) for a in ("dance", "put alarmclock 1 in/on desk 1", "")]
+    finally:
+        env.close()
+    goal, room = first.split("\n")
+    assert goal.startswith("Your task is to: ") and room.startswith("You are in the middle of a room.")
+    assert "Welcome" not in first
+    assert [a.observation for a in answers] == ["Nothing happens."] * 3  # the old grammar's verb is gone
+    assert all(a.reward == 0 and not a.done for a in answers)
+
+
+def test_alfworld_data_wins_over_the_archive_only_when_it_holds_the_release(tmp_path, monkeypatch, alfworld):
+    extracted = alfworld.files.root
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "empty"))  # e.g. the default alfworld sets on import
+    assert source_root(alfworld.files.cache_dir) == extracted
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / RELEASE).symlink_to(extracted)
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "data"))
+    files = GameFiles(tmp_path / "cache")
+    assert files.root == tmp_path / "data" / RELEASE
+    assert len(files.trials("eval_unseen")) == 134 and not (tmp_path / "cache" / RELEASE).exists()
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_tiny_model_plays_alfworld_in_the_agent_loop(strategy, alfworld, tiny_model_path):
+    games = alfworld.tasks("eval_seen")[:2]
+    episodes, tokenizer = play_tiny(tiny_model_path, alfworld.make_env, AlfWorldEnv.system_prompt, games, strategy)
+    for ep in episodes:
+        assert ep.finish_reason == "max_turns" and ep.stats.turns == 5 and not ep.won
+        assert (ep.stats.compactions > 0) == (strategy != "full_context")
+        text = env_text(ep.records[0], tokenizer)
+        assert "Your task is to: " in text and "You are in the middle of a room." in text
+    assert alfworld.pool.size <= 2  # episodes reuse the pool's processes
