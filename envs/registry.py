@@ -17,17 +17,15 @@ def make_taskset(name: str, options: dict[str, Any] | None = None) -> TaskSet:
 
         return CorridorTasks(**options)
     if name == "textworld":
-        from .textworld import TextWorldTasks
-        from .textworld.tasks import TextWorldConfig
+        from .textworld.tasks import TextWorldConfig, TextWorldTasks
 
         return TextWorldTasks(TextWorldConfig(**options))
     if name == "alfworld":
-        from .alfworld import AlfWorldTasks
-        from .alfworld.tasks import AlfWorldConfig
+        from .alfworld.tasks import AlfWorldConfig, AlfWorldTasks
 
         return AlfWorldTasks(AlfWorldConfig(**options))
     if name == "swe":
-        from .swe import SweTaskSet
+        from .swe.env import SweTaskSet
 
         return SweTaskSet(**options)
     raise ValueError(f"unknown environment {name!r}: expected toy, textworld, alfworld or swe")

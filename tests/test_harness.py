@@ -58,9 +58,12 @@ def test_policy_loss_truncates_importance_weights_and_counts_clips():
     ("sliding_window", "kv_streams"), ("sliding_window", "reprefill"),
 ])
 def test_three_step_run_per_strategy(strategy, execution, tmp_path):
+    """On real TextWorld games (generated once and cached), a tiny model, three trainer steps."""
     cfg = small(tmp_path, f"{strategy}-{execution}", "--compaction.strategy", strategy,
                 "--compaction.execution", execution, "--compaction.summary_max_tokens", "4",
-                "--compaction.pick_max_tokens", "4")
+                "--compaction.pick_max_tokens", "4", "--environment.name", "textworld",
+                "--environment.options", '{presets = ["short"], n_train = 4, n_eval = 0, max_steps = 6}',
+                "--orchestrator.max_new_tokens", "6")
     rows = asyncio.run(run(cfg, overlap=False))
     assert [r["step"] for r in rows] == [0, 1, 2]
     reprefilled = sum(r["tokens_reprefilled"] for r in rows)

@@ -10,6 +10,7 @@ bonus when won.
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 from envs.protocol import StepResult, Task
@@ -21,6 +22,11 @@ SYSTEM_PROMPT = (
     "each later message is the game's answer to your last command. Reply with exactly one command "
     "on one line, such as: go north, open door, take key from box, put apple on table. No other text."
 )
+
+
+# TextWorld (its tatsu grammar parser, Jericho) is not thread-safe, and the agent loop steps
+# environments in worker threads: one game call at a time per process.
+_GAME_LOCK = threading.RLock()
 
 
 class TextWorldEnv:
@@ -41,6 +47,10 @@ class TextWorldEnv:
                                   description=True, policy_commands=self.expert, admissible_commands=self.list_commands)
 
     def reset(self, task: Task) -> str:
+        with _GAME_LOCK:
+            return self._reset_unlocked(task)
+
+    def _reset_unlocked(self, task: Task) -> str:
         import textworld
 
         path = task.payload["path"]
@@ -57,6 +67,10 @@ class TextWorldEnv:
         return self._with_commands(compact(first))
 
     def step(self, action: str) -> StepResult:
+        with _GAME_LOCK:
+            return self._step_unlocked(action)
+
+    def _step_unlocked(self, action: str) -> StepResult:
         command = parse_action(action)
         before = self._state["score"]
         self._state, _, done = self._player.step(command)
@@ -86,6 +100,10 @@ class TextWorldEnv:
         return plan[0] if plan else None
 
     def close(self) -> None:
+        with _GAME_LOCK:
+            return self._close_unlocked()
+
+    def _close_unlocked(self) -> None:
         if self._player is not None:
             self._player.close()
         self._player, self._state = None, None
