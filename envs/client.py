@@ -22,6 +22,11 @@ class EngineClient(Protocol):
 
     async def live_tokens(self, sid: int) -> int: ...
 
+    async def reprefill_streams(self, sids: list[int] | None = None) -> int:
+        """Recompute the kept KV of ``sids`` (default: every open stream) under the current
+        weights, in place; returns the number of tokens run (see ``Engine.reprefill``)."""
+        ...
+
     async def close(self, sid: int, **meta) -> StreamRecord: ...
 
     @property
@@ -55,6 +60,11 @@ class BuiltinClient:
 
     async def live_tokens(self, sid):
         return self.engine.live_tokens(sid)
+
+    async def reprefill_streams(self, sids=None):
+        # Synchronous on purpose: it runs between two scheduler steps of the engine's loop, so
+        # streams with a generation in flight are recomputed too (their pending token stays pending).
+        return self.engine.reprefill(sids)
 
     async def close(self, sid, **meta):
         record = self.engine.stream_record(sid, **meta)

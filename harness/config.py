@@ -45,7 +45,8 @@ class InferenceConfig(Section):
     recent: int = Field(128, ge=0)
     max_tokens: int = Field(65536, ge=64, description="KV pool slots")
     max_streams: int = Field(256, ge=1)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
+                        description="engine device; under torchrun e.g. cuda:2 (trainer ranks use cuda:LOCAL_RANK)")
 
     @model_validator(mode="after")
     def _url(self) -> InferenceConfig:
@@ -73,6 +74,8 @@ class OrchestratorConfig(Section):
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     env_in_thread: bool = Field(True, description="False: a single-threaded, reproducible schedule")
+    reprefill_on_update: bool = Field(False, description="after each weight update, recompute the KV of carried "
+                                      "(unfinished) episodes under the new policy, as KV4-RL does; default: keep it")
 
 
 class TrainerConfig(Section):

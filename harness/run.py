@@ -1,10 +1,12 @@
 """Entry point: ``python -m harness.run CONFIG.toml [--section.key value ...] [--resume]``.
 
-Wires the three roles of prime-rl's layout in one process: inference (the built-in
-engine; SGLang through the same client), the orchestrator (asyncio rollouts) and the
-trainer (FSDP2). Each step: wait for ``T`` fresh groups, train on them (in a worker
-thread while rollouts keep going, unless ``--run.overlap false``), push the weights to
-the engine without touching its KV, log metrics, checkpoint at a drained point.
+Wires the three roles of prime-rl's layout: inference (the built-in engine; SGLang
+through the same client), the orchestrator (asyncio rollouts) and the trainer (FSDP2).
+Each step: wait for ``T`` fresh groups, train on them (in a worker thread while rollouts
+keep going, unless ``--no-overlap``), push the weights to the engine without touching its
+KV, log metrics, checkpoint at a drained point. One process, or ``torchrun
+--nproc-per-node N -m harness.run ...``: N trainer ranks, rank 0 also running the
+orchestrator and the engine on ``inference.device`` (see ``distributed.py``).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import argparse
 import asyncio
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from envs.chat import ChatRenderer
 from envs.client import BuiltinClient
@@ -25,10 +29,11 @@ from envs.registry import make_taskset
 
 from . import checkpoint
 from .config import Config, ConfigError, load_config
+from .distributed import TrainerGroup, follow, on_device, trainer_device
 from .loss import group_advantages
 from .metrics import MetricsLog
 from .orchestrator import Group, Orchestrator
-from .trainer import Trainer, TrainSample
+from .trainer import Trainer, TrainSample, init_distributed
 
 
 def resolve_device(name: str) -> torch.device:
@@ -37,11 +42,13 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def prepare_model(cfg: Config, out: Path) -> str:
+def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
+    """The checkpoint every role loads: ``model.path``, or the tiny model built (by rank 0
+    only, ``build``) under the run directory."""
     if cfg.model.path:
         return cfg.model.path
     path = out / "model"
-    if not (path / "config.json").exists():
+    if build and not (path / "config.json").exists():
         from kvstreams_sglang.testing import build_tiny_model
 
         t = cfg.model.tiny
@@ -86,21 +93,50 @@ def step_metrics(step: int, groups: list[Group], train: dict, timing: dict, orch
     }
 
 
+def build_trainer(cfg: Config, *, resume: bool) -> tuple[Trainer, str, dict | None]:
+    """Every rank: join the process group, load the model (rank 0 builds it first), restore
+    the trainer's part of the latest checkpoint when resuming."""
+    out = Path(cfg.run.output_dir)
+    device = trainer_device(resolve_device(cfg.inference.device))
+    init_distributed(device)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(cfg.model_dump_json(indent=1))
+        prepare_model(cfg, out)
+    dist.barrier()
+    model_path = prepare_model(cfg, out, build=False)
+    torch.manual_seed(cfg.run.seed)
+    trainer = Trainer(model_path, cfg.trainer, device)
+    state = checkpoint.load_latest(out / "checkpoints") if resume else None
+    if state is not None:
+        with on_device(device):
+            trainer.load_checkpoint_state(state["trainer"])
+    return trainer, model_path, state
+
+
+async def sync_weights(engine, trainer: TrainerGroup, orch: Orchestrator, version: int, reprefill: bool) -> int:
+    """Push the trainer's weights to the engine; the KV of running streams is kept, unless
+    ``reprefill``: then carried episodes' KV is recomputed under the new policy (KV4-RL's
+    choice). Returns the tokens recomputed."""
+    engine.update_weights(trainer.engine_weights(), version=version)
+    return await orch.client.reprefill_streams() if reprefill else 0
+
+
 async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> list[dict]:
+    """Rank 0 (or the only process): orchestrator, engine and the trainer group's lead."""
     from rich.progress import Progress
     from transformers import AutoTokenizer
 
     from kvstreams_sglang.engine import Engine
 
-    out = Path(cfg.run.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(cfg.model_dump_json(indent=1))
-    torch.manual_seed(cfg.run.seed)
-    device = resolve_device(cfg.inference.device)
-    model_path = prepare_model(cfg, out)
     if cfg.inference.engine != "builtin":
         raise NotImplementedError("inference.engine = 'sglang' is served by kvstreams_sglang.sglang (separate issue)")
-    trainer = Trainer(model_path, cfg.trainer, device)
+    out = Path(cfg.run.output_dir)
+    trainer_rank0, model_path, state = build_trainer(cfg, resume=resume)
+    trainer = TrainerGroup(trainer_rank0)
+    device = resolve_device(cfg.inference.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # this thread drives the engine
     i = cfg.inference
     engine = Engine(model_path, kv_dtype=i.kv_dtype, device=device, dtype=torch.float32 if device.type == "cpu"
                     else None, max_tokens=i.max_tokens, max_streams=i.max_streams, sink=i.sink, recent=i.recent)
@@ -110,13 +146,12 @@ async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> lis
                         split=cfg.environment.train_split, seed=cfg.run.seed)
     metrics = MetricsLog(out / "metrics.jsonl")
     start = 0
-    if resume and (state := checkpoint.load_latest(out / "checkpoints")) is not None:
-        trainer.load_checkpoint_state(state["trainer"])
+    if state is not None:
         orch.load_state_dict(state["orchestrator"])
         checkpoint.set_rng_state(state["rng"])
         start = state["step"]
         metrics.truncate_after(start - 1)
-    engine.update_weights(trainer.full_state_dict(), version=start)
+    engine.update_weights(trainer.engine_weights(), version=start)
     with Progress() as progress:
         bar = progress.add_task("RL steps", total=cfg.run.steps, completed=start)
         for step in range(start, cfg.run.steps):
@@ -130,10 +165,14 @@ async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> lis
                     samples.extend(TrainSample(rec, adv) for rec in r.records)
             train = await asyncio.to_thread(trainer.train_step, samples) if overlap else trainer.train_step(samples)
             t2 = time.perf_counter()
-            engine.update_weights(trainer.full_state_dict(), version=step + 1)  # KV of running streams is kept
+            recomputed = await sync_weights(engine, trainer, orch, step + 1, cfg.orchestrator.reprefill_on_update)
             t3 = time.perf_counter()
             row = step_metrics(step, groups, train, {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2},
                                orch)
+            row["tokens_reprefilled_on_update"] = recomputed
+            row["tokens_reprefilled"] += recomputed
+            if device.type == "cuda":
+                row["engine_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.log(row)
             progress.update(bar, advance=1, description=f"RL steps (reward {row['reward']:.3f})")
             if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == cfg.run.steps:
@@ -141,6 +180,7 @@ async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> lis
                 checkpoint.save(out / "checkpoints", step + 1, {"trainer": trainer.checkpoint_state(),
                                                                "orchestrator": orch.state_dict()})
     await orch.drain()
+    trainer.close()
     metrics.plot(out / "metrics.png")
     return metrics.rows()
 
@@ -156,7 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    asyncio.run(run(cfg, resume=args.resume, overlap=not args.no_overlap))
+    if int(os.environ.get("RANK", 0)) > 0:  # a torchrun follower: trains what rank 0 announces
+        trainer, _, _ = build_trainer(cfg, resume=args.resume)
+        follow(trainer)
+    else:
+        asyncio.run(run(cfg, resume=args.resume, overlap=not args.no_overlap))
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.destroy_process_group()
     return 0
 
 

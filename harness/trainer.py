@@ -49,8 +49,10 @@ def init_distributed(device: torch.device) -> None:
     if dist.is_initialized():
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if "RANK" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
     else:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
@@ -97,7 +99,10 @@ class Trainer:
         local = local + [samples[0]] * (per_rank - len(local))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("mismatch_abs", "mismatch_kl_k3", "tis_clipped", "kl_ref", "tokens"), 0.0)
+        sums = dict.fromkeys(("mismatch_abs", "mismatch_kl_k3", "tis_clipped", "kl_ref", "tokens",
+                              "onpolicy_mismatch_abs", "onpolicy_tokens"), 0.0)
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         for start in range(0, len(local), c.micro_batch_records):
             mb = local[start:start + c.micro_batch_records]
             mb_weights = weights[start:start + c.micro_batch_records]
@@ -105,7 +110,7 @@ class Trainer:
             scores = score_streams(self.model, records, impl=c.impl)
             with torch.no_grad():
                 ref_scores = score_streams(self.ref, records, impl=c.impl)
-            lp, mu, ref, adv = [], [], [], []
+            lp, mu, ref, adv, onpolicy = [], [], [], [], []
             padding = torch.zeros((), device=self.device)
             for s, sc, rs, weight in zip(mb, scores, ref_scores, mb_weights, strict=True):
                 if weight == 0.0:
@@ -117,6 +122,10 @@ class Trainer:
                 ref.append(rs.logprobs[idx])
                 mu.append(torch.tensor([s.record.logprobs[i] for i in idx.tolist()], device=self.device))
                 adv.append(torch.full((len(idx),), s.advantage, device=self.device))
+                # tokens sampled by the weights being trained now: their mismatch is the pure
+                # sampler/trainer numeric gap (kernels, KV quantisation), no policy lag in it
+                onpolicy.append(torch.tensor([s.record.policy_versions[i] == self.step_count for i in idx.tolist()],
+                                             device=self.device))
             if not lp:
                 padding.backward()
                 continue
@@ -125,6 +134,9 @@ class Trainer:
             (terms.loss * world + padding).backward()
             for k, v in terms.sums.items():
                 sums[k] += v
+            on = torch.cat(onpolicy)
+            sums["onpolicy_mismatch_abs"] += float((torch.cat(lp).detach() - torch.cat(mu))[on].abs().sum())
+            sums["onpolicy_tokens"] += float(on.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
         self.optimizer.step()
         self.step_count += 1
@@ -134,13 +146,25 @@ class Trainer:
             dist.all_reduce(t)
             sums = dict(zip(keys, t.tolist(), strict=True))
         n = max(sums.get("tokens", 1.0), 1.0)
-        return {"loss_tokens": n, "mismatch_abs": sums["mismatch_abs"] / n, "mismatch_kl": sums["mismatch_kl_k3"] / n,
-                "tis_clip_frac": sums["tis_clipped"] / n, "kl_ref": sums["kl_ref"] / n,
-                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
+        out = {"loss_tokens": n, "mismatch_abs": sums["mismatch_abs"] / n, "mismatch_kl": sums["mismatch_kl_k3"] / n,
+               "tis_clip_frac": sums["tis_clipped"] / n, "kl_ref": sums["kl_ref"] / n,
+               "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
+        if sums["onpolicy_tokens"]:
+            out["onpolicy_mismatch_abs"] = sums["onpolicy_mismatch_abs"] / sums["onpolicy_tokens"]
+        out["onpolicy_tokens"] = sums["onpolicy_tokens"]
+        if self.device.type == "cuda":
+            peak = torch.tensor([torch.cuda.max_memory_allocated(self.device) / 2**30], device=self.device)
+            peaks = [torch.zeros_like(peak) for _ in range(world)]
+            dist.all_gather(peaks, peak)
+            out.update({f"trainer_peak_mem_gib_rank{r}": float(p) for r, p in enumerate(peaks)})
+        return out
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded weights for the inference engine (every rank must call it)."""
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights for the inference engine (a collective: every rank calls it).
+        On GPUs they are gathered on the device (the engine copies them GPU to GPU); on CPU
+        only rank 0 keeps a copy."""
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=self.device.type == "cpu")
+        return get_model_state_dict(self.model, options=opts)
 
     def checkpoint_state(self) -> dict:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -28,7 +28,7 @@ if __name__ == "__main__":
     model_path, out_path = sys.argv[1], sys.argv[2]
     trainer = Trainer(model_path, TrainerConfig(lr=1e-2, micro_batch_records=2, impl="sdpa"), torch.device("cpu"))
     metrics = trainer.train_step(samples())
-    state = trainer.full_state_dict()
+    state = trainer.engine_weights()
     if torch.distributed.get_rank() == 0:
         torch.save({"state": state, "metrics": metrics}, out_path)
     torch.distributed.destroy_process_group()

@@ -154,3 +154,49 @@ def test_data_parallel_fsdp2_step_equals_one_process(tiny_model_path, tmp_path):
     # near-zero second moments: 1% of the lr-sized first step
     for name, w in one["state"].items():
         assert torch.allclose(w, two["state"][name], atol=1e-4, rtol=0), name
+
+
+def test_torchrun_two_ranks_trains_the_same_first_step_as_one_process(tmp_path):
+    """The whole loop under torchrun (2 gloo ranks): rank 0 runs orchestrator + engine and
+    announces each trainer call; rank 1 follows. Same data, same global gradient."""
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    run_checked(run_cli(tmp_path / "one", 2), env)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29613"]
+    run_checked(torchrun + run_cli(tmp_path / "two", 2)[1:], env)
+    one, two = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+                for d in ("one", "two"))
+    assert len(two) == 2 and one[0]["batch_digest"] == two[0]["batch_digest"]
+    assert one[0]["loss_tokens"] == two[0]["loss_tokens"]
+    assert abs(one[0]["grad_norm"] - two[0]["grad_norm"]) < 1e-5 * one[0]["grad_norm"]
+
+
+def test_reprefill_on_update_recomputes_carried_episodes(tmp_path):
+    """A weight update lands while episodes are mid-flight: with ``reprefill_on_update``
+    their kept KV is recomputed (counted); by default it is kept (0 recomputed)."""
+    from transformers import AutoTokenizer
+
+    from envs.chat import ChatRenderer
+    from envs.client import BuiltinClient
+    from envs.registry import make_taskset
+    from harness.distributed import TrainerGroup
+    from harness.orchestrator import Orchestrator
+    from harness.run import build_trainer, sync_weights
+    from kvstreams_sglang.engine import Engine
+
+    cfg = small(tmp_path, "carried", "--orchestrator.max_turns", "12", "--environment.options.rooms", "10")
+
+    async def scenario():
+        trainer, path, _ = build_trainer(cfg, resume=False)
+        engine = Engine(path, dtype=torch.float32)
+        tasks = make_taskset(cfg.environment.name, cfg.environment.options)
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(path), tasks.make_env().system_prompt)
+        orch = Orchestrator(cfg.orchestrator, cfg.compaction, BuiltinClient(engine), tasks, renderer)
+        orch.fill()
+        while sum(st.num_computed > 0 for st in engine.table.streams.values()) < 2:
+            await asyncio.sleep(0.01)
+        counts = [await sync_weights(engine, TrainerGroup(trainer), orch, v, reprefill=v == 2) for v in (1, 2)]
+        await orch.drain()
+        return counts
+
+    kept, recomputed = asyncio.run(scenario())
+    assert kept == 0 and recomputed > 0

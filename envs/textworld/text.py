@@ -12,15 +12,20 @@ _THINK = re.compile(r"<think>.*?(</think>|$)", re.DOTALL)
 _CHROME = re.compile(r"^(>.*|Would you like to RESTART, RESTORE a saved game, QUIT or UNDO the last command\?)$")
 
 
+MAX_COMMAND = 160
+
+
 def parse_action(message: str) -> str:
     """The command in a model message: its first non-empty line after any ``<think>`` block,
     printable characters only, without a leading prompt sign, quotes or backticks. Games parse
-    one command per turn, so anything after the first line would be lost (or misread) anyway;
-    control characters are dropped because a NUL crashes the Z-machine interpreter (Jericho
-    segfaults)."""
+    one command per turn, so anything after the first line would be lost (or misread) anyway.
+    Only printable ASCII reaches the interpreter: the Z-machine reads ZSCII (a NUL crashes it:
+    Jericho segfaults), and backslashes go because the interpreter reads ``\\`` as the start of one of its own escape
+    commands (``\\help``, ``\\q``), not as game input. Jericho truncates at 198 bytes; we cut
+    at ``MAX_COMMAND`` characters."""
     text = _THINK.sub("", message)
     for line in text.splitlines():
-        line = "".join(c for c in line if c.isprintable())
+        line = "".join(c for c in line if " " <= c <= "~" and c != "\\")[:MAX_COMMAND]
         line = line.strip().lstrip(">").strip().strip("`'\"").strip()
         if line:
             return line

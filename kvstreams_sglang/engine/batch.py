@@ -7,6 +7,9 @@ token, the one it just sampled). Each new token gets position = its stream index
 
 Everything is derived on the device from the ``SlotTable`` rows (which already hold
 the new tokens' slots when the batch is built): no per-token Python work per step.
+
+``ReplayBatch`` is the odd one out: the metadata of a re-prefill under new weights
+(``Engine.reprefill``), which replays whole streams with the trainer's mask instead.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
+
+from trainer_masks import PackedBatch, StreamRecord, flex_block_mask, pack
+from trainer_masks.logprobs import HF_ATTENTION, resolve_impl
 
 from ..streams import KV4Pool, KVStream, SlotTable
 
@@ -139,3 +146,64 @@ def build_kv4_batch(items: list[StepItem], mode, table: SlotTable, pool: KV4Pool
     side_indptr, side_indices = _csr(protected, side_slot(r.rows[:, None], r.positions))
     fb.kv4 = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr, side_indices=side_indices)
     return fb
+
+
+# ---- re-prefill under new weights (``Engine.reprefill``) ----
+
+
+@dataclass
+class ReplayBatch:
+    """One re-prefill forward: streams' computed tokens (evicted ones included) packed into one
+    row at their original positions under the trainer's eviction mask, plus where the K/V of
+    the rows whose KV is still resident goes (their existing slots)."""
+
+    packed: PackedBatch  # on the device; input_ids / position_ids [1, N]
+    mask: torch.Tensor | BlockMask  # dense bool [1, 1, N, N] (SDPA) or a FlexAttention BlockMask
+    attention: Literal["sdpa", "flex_attention"]  # the HF attention function that computes it
+    live_rows: torch.Tensor  # [L] rows of the pack whose KV is resident
+    live_slots: torch.Tensor  # [L] their slots
+    side_slots: torch.Tensor | None = None  # [L] KV4 only: INT8 side slot, -1 = none
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.packed)
+
+
+def computed_record(stream: KVStream) -> StreamRecord:
+    """The stream's ``StreamRecord`` cut to its computed tokens ``[0, num_computed)``: what the
+    trainer replays for them (pending tokens have no KV yet and stay pending)."""
+    n = stream.num_computed
+    rec = stream.to_record()
+    return StreamRecord(token_ids=rec.token_ids[:n], positions=rec.positions[:n], sources=rec.sources[:n],
+                        loss_mask=rec.loss_mask[:n], logprobs=rec.logprobs[:n],
+                        policy_versions=rec.policy_versions[:n], evictions=rec.evictions)
+
+
+def build_replay_batch(streams: list[KVStream], device, *, impl="auto", pool=None) -> ReplayBatch:
+    """Pack ``streams`` (each with computed tokens) for one masked forward, exactly as
+    ``trainer_masks.score_streams`` packs their records (same mask rule ``k <= q < death[k]``,
+    SDPA + dense mask on CPU, FlexAttention on CUDA). ``pool``: a ``KV4Pool`` to also compute
+    each live token's INT8 side slot with the store rule (kept ``p < sink`` or
+    ``p >= num_computed - recent``)."""
+    device = torch.device(device)
+    impl = resolve_impl(impl, device)
+    packed = pack([computed_record(st) for st in streams]).to(device)
+    mask = flex_block_mask(packed, device) if impl == "flex" else packed.dense_mask()[None, None]
+    as_long = dict(dtype=torch.long, device=device)
+    rows, slots, positions, ends, stream_rows = [], [], [], [], []
+    for st, off in zip(streams, packed.offsets, strict=True):
+        rows.extend(off + p for p in st.positions)
+        slots.extend(st.slots)
+        positions.extend(st.positions)
+        ends.extend([st.num_computed] * len(st.positions))
+        stream_rows.extend([st.row] * len(st.positions))
+    batch = ReplayBatch(packed=packed, mask=mask, attention=HF_ATTENTION[impl], live_rows=torch.tensor(rows, **as_long),
+                        live_slots=torch.tensor(slots, **as_long))
+    if isinstance(pool, KV4Pool):
+        sink, recent = pool.sink, pool.recent
+        pos, end, row = (torch.tensor(x, **as_long) for x in (positions, ends, stream_rows))
+        ring = sink + pos % recent if recent else torch.zeros_like(pos)
+        side = row * (sink + recent) + torch.where(pos < sink, pos, ring)
+        protected = (pos < sink) | ((pos >= end - recent) & (recent > 0))
+        batch.side_slots = torch.where(protected, side, -1)
+    return batch

@@ -5,7 +5,8 @@ stream: ``open_stream`` / ``append`` (tokens become pending; they are prefilled 
 with the next generation, in one extend), ``generate`` (sync, one or many streams) /
 ``agenerate`` (asyncio; all waiting streams are batched together), ``evict`` (in place,
 nothing re-prefilled), ``close``; and ``update_weights`` (no KV flush, bumps the policy
-version stamped on every sampled token). Scheduling follows nano-vllm: a step is either
+version stamped on every sampled token), optionally followed by ``reprefill`` (recompute the
+kept KV under the new weights, as KV4-RL does). Scheduling follows nano-vllm: a step is either
 an extend of every stream with several pending tokens, or a decode of every stream with
 exactly one.
 """
@@ -20,8 +21,9 @@ import torch
 
 from ..streams import FullPrecisionPool, KV4Pool, OutOfSlotsError, SlotTable, StreamTable
 from .attention import FullPrecisionBackend, KV4Backend
-from .batch import StepItem
+from .batch import StepItem, build_replay_batch
 from .model_runner import ModelRunner
+from .replay import replay
 from .sampling import SamplingParams, sample_batch
 
 
@@ -41,11 +43,15 @@ class EngineStats:
     tokens_in_streams: int = 0  # sum over streams (open or closed) of tokens whose KV was computed
     steps: int = 0
     evicted_tokens: int = 0
+    tokens_reprefilled_on_update: int = 0  # tokens run again by ``Engine.reprefill`` (evicted ones included)
 
     @property
     def tokens_reprefilled(self) -> int:
-        """Forward passes beyond one per stream token: 0 by construction of KV streams."""
-        return self.tokens_prefilled + self.tokens_decoded - self.tokens_in_streams
+        """Forward passes beyond one per stream token. Extends and decodes compute each stream
+        token once, so this is 0 by construction of KV streams unless ``Engine.reprefill`` was
+        asked to recompute kept KV under new weights: then it counts every token that replay ran
+        (``tokens_reprefilled_on_update``)."""
+        return self.tokens_prefilled + self.tokens_decoded + self.tokens_reprefilled_on_update - self.tokens_in_streams
 
 
 @dataclass
@@ -123,6 +129,53 @@ class Engine:
         self.runner.update_weights(state_dict)
         self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
+
+    def reprefill(self, sids: list[int] | None = None, *, impl: Literal["auto", "sdpa", "flex"] = "auto") -> int:
+        """Recompute the kept KV of streams with the current weights, in place (KV4-RL's
+        re-prefill of carried prefixes after a weight update). Returns the number of tokens run.
+
+        Each stream's computed tokens ``[0, num_computed)`` -- evicted ones included, at their
+        original positions -- go through one forward under the trainer's eviction mask
+        ``k <= q < death[k]`` (``trainer_masks``: SDPA + dense mask on CPU, FlexAttention on CUDA
+        with ``impl="auto"``), since a kept token's KV depends on every token that was alive when
+        it was written. Only the still-resident tokens' K/V is written, into the slots they
+        already own (same positions; KV4: INT4 codes and, for sink / most recent positions, the
+        INT8 side copies). Afterwards the engine's KV equals what the trainer's replay of the
+        stream under the current weights computes. Slots, positions, eviction history, sampled
+        logprobs and versions are unchanged; pending tokens (appended, or the last sampled one)
+        stay pending and are computed by the next step. Several streams are packed into one
+        forward up to ``max_prefill_tokens`` tokens.
+
+        ``sids``: streams to recompute (default: every open stream). A stream with a generation
+        in flight is included: this runs between scheduler steps (call it from the thread that
+        drives the engine, like ``update_weights``), and its request only holds pending tokens.
+        Unknown sids raise ``KeyError`` before anything changes.
+
+        The count -- every token run, evicted ones included, so ``sum(num_computed)`` -- is added
+        to ``stats.tokens_reprefilled_on_update`` and thereby to ``stats.tokens_reprefilled``.
+        """
+        if sids is None:
+            streams = list(self.table.streams.values())
+        else:
+            if isinstance(sids, int):
+                raise TypeError("reprefill takes a list of stream ids (or None for every open stream)")
+            unknown = [s for s in sids if s not in self.table.streams]
+            if unknown:
+                raise KeyError(f"reprefill: no open stream {unknown[0]}" + (f" (unknown: {unknown})"
+                                                                           if len(unknown) > 1 else ""))
+            streams = [self.table.get(s) for s in dict.fromkeys(sids)]
+        groups: list[list] = []
+        for st in (st for st in streams if st.num_computed > 0):
+            if not groups or sum(g.num_computed for g in groups[-1]) + st.num_computed > self.max_prefill_tokens:
+                groups.append([])
+            groups[-1].append(st)
+        total = 0
+        for group in groups:
+            replay(self.runner.model, self.pool, build_replay_batch(group, self.device, impl=impl, pool=self.pool))
+            n = sum(st.num_computed for st in group)
+            self.stats.tokens_reprefilled_on_update += n
+            total += n
+        return total
 
     # ---- generation ----
     def generate(self, sid: int, *, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,

@@ -7,6 +7,8 @@ attention is ours; only the last token of each stream goes through the LM head.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from trainer_masks.lm_head import decoder, fp32_logits
@@ -43,14 +45,17 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, backend) -> torch.Tensor:
         """Returns logits ``[B, V]`` (float32, fp32 LM head) at each stream's last new token."""
-        hidden = decoder(self.model)(
-            input_ids=fb.input_ids[None],
-            position_ids=fb.positions[None],
-            attention_mask={t: None for t in ("full_attention", "sliding_attention", *self.layer_types)},
-            use_cache=False,
-            kv_batch=fb,
-            kv_backend=backend,
-        ).last_hidden_state[0]  # [N, H]
+        # Triton launches on the calling thread's current device: make it the engine's (a
+        # trainer may share the process on another GPU)
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+            hidden = decoder(self.model)(
+                input_ids=fb.input_ids[None],
+                position_ids=fb.positions[None],
+                attention_mask={t: None for t in ("full_attention", "sliding_attention", *self.layer_types)},
+                use_cache=False,
+                kv_batch=fb,
+                kv_backend=backend,
+            ).last_hidden_state[0]  # [N, H]
         if self._head_fp32 is None:
             self._head_fp32 = self.model.get_output_embeddings().weight.float()
         return fp32_logits(self.model, hidden[fb.logits_indices], self._head_fp32)
