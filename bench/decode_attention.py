@@ -16,28 +16,33 @@ import platform
 import torch
 
 
-def kv4_bytes(batch: int, length: int, hq: int, hkv: int, d: int, sink: int, recent: int) -> int:
-    prot = min(length, sink + recent)
-    per_head = (length - prot) * 2 * (d // 2 + 4) + prot * 2 * (d + 2)
-    return batch * (hkv * per_head + length * 4 + hq * d * 2 * 2)
+def kv4_bytes(lengths: list[int], hq: int, hkv: int, d: int, sink: int, recent: int) -> int:
+    total = 0
+    for length in lengths:
+        prot = min(length, sink + recent)
+        per_head = (length - prot) * 2 * (d // 2 + 4) + prot * 2 * (d + 2)
+        total += hkv * per_head + length * 4 + hq * d * 2 * 2
+    return total
 
 
-def bf16_bytes(batch: int, length: int, hq: int, hkv: int, d: int) -> int:
-    return batch * (hkv * length * 2 * d * 2 + length * 4 + hq * d * 2 * 2)
+def bf16_bytes(lengths: list[int], hq: int, hkv: int, d: int) -> int:
+    return sum(hkv * length * 2 * d * 2 + length * 4 + hq * d * 2 * 2 for length in lengths)
 
 
-def build_kv4_case(batch, length, hq, hkv, d, sink, recent, device, seed=0, **plan_kw):
+def build_kv4_case(lengths, hq, hkv, d, sink, recent, device, seed=0, **plan_kw):
+    """A KV4 cache holding one request per entry of ``lengths`` at shuffled page-size-1 slots."""
     from kvstreams_sglang.kernels import kv4_store, plan_decode
     from kvstreams_sglang.kv4 import KV4LayerCache, side_slot, split_regions
 
     g = torch.Generator(device=device).manual_seed(seed)
-    total = batch * length
+    batch, total = len(lengths), sum(lengths)
     cache = KV4LayerCache.empty(total, batch * (sink + recent), hkv, d, device=device)
     perm = torch.randperm(total, device=device, generator=g)
-    int4_pos, int8_pos = split_regions(length, sink=sink, recent=recent)
-    kv_idx, side_idx = [], []
-    for b in range(batch):
-        slots = perm[b * length:(b + 1) * length]
+    kv_idx, side_idx, n4s, n8s, offset = [], [], [0], [0], 0
+    for b, length in enumerate(lengths):
+        int4_pos, int8_pos = split_regions(length, sink=sink, recent=recent)
+        slots = perm[offset:offset + length]
+        offset += length
         side = torch.full((length,), -1, dtype=torch.int64, device=device)
         side[int8_pos.to(device)] = torch.tensor([side_slot(b, int(p), sink=sink, recent=recent) for p in int8_pos],
                                                  device=device)
@@ -48,9 +53,10 @@ def build_kv4_case(batch, length, hq, hkv, d, sink, recent, device, seed=0, **pl
             kv4_store(cache, k, v, slots[c0:c1], side[c0:c1])
         kv_idx.append(slots[int4_pos.to(device)])
         side_idx.append(side[int8_pos.to(device)])
-    n4, n8 = int4_pos.numel(), int8_pos.numel()
-    kv_indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * n4
-    side_indptr = torch.arange(batch + 1, device=device, dtype=torch.int32) * n8
+        n4s.append(n4s[-1] + int4_pos.numel())
+        n8s.append(n8s[-1] + int8_pos.numel())
+    kv_indptr = torch.tensor(n4s, device=device, dtype=torch.int32)
+    side_indptr = torch.tensor(n8s, device=device, dtype=torch.int32)
     kv_indices = torch.cat(kv_idx).to(torch.int32)
     side_indices = torch.cat(side_idx).to(torch.int32)
     plan = plan_decode(kv_indptr, kv_indices, side_indptr, side_indices, num_kv_heads=hkv, **plan_kw)
@@ -58,16 +64,53 @@ def build_kv4_case(batch, length, hq, hkv, d, sink, recent, device, seed=0, **pl
                              side_indices=side_indices)
 
 
-def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True):
+def build_bf16_case(lengths, hkv, d, device, seed=1):
+    """A BF16 paged cache (page size 1, shuffled slots): our kernel's plan and FlashInfer's CSR."""
+    from kvstreams_sglang.kernels import plan_decode
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    total = sum(lengths)
+    k = torch.randn(total, hkv, d, device=device, dtype=torch.bfloat16, generator=g)
+    v = torch.randn(total, hkv, d, device=device, dtype=torch.bfloat16, generator=g)
+    indices = torch.randperm(total, device=device, generator=g).to(torch.int32)
+    indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device, dtype=torch.int32)
+    empty = torch.zeros_like(indptr)
+    plan = plan_decode(indptr, indices, empty, empty[:0], num_kv_heads=hkv)
+    return k, v, plan, indptr, indices
+
+
+def flashinfer_decode(q, k, v, indptr, indices):
+    """FlashInfer's BF16 tensor-core decode on the same page-size-1 cache, or None when absent."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    batch, hq, d = q.shape
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=q.device)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD", use_tensor_cores=True)
+    last = torch.ones(batch, dtype=torch.int32, device=q.device)
+    w.plan(indptr, indices, last, hq, k.shape[1], d, 1, q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    kc, vc = k.view(-1, 1, *k.shape[1:]), v.view(-1, 1, *v.shape[1:])
+    return lambda: w.run(q, (kc, vc))
+
+
+def timed_ms(fn) -> float:
     import triton
 
-    from kvstreams_sglang.kernels import kv4_decode
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=True):
+    """``shapes``: (name, lengths) pairs. Times KV4 decode (query prep + both regions + merge),
+    our BF16 paged decode and FlashInfer's BF16 decode on the same shapes in one process."""
+    from kvstreams_sglang.kernels import bf16_decode, kv4_decode
     from kvstreams_sglang.kv4.reference import decode_reference
 
     device = torch.device("cuda")
     rows = []
-    for batch, length in shapes:
-        cache, plan, meta = build_kv4_case(batch, length, hq, hkv, d, sink, recent, device)
+    for name, lengths in shapes:
+        batch = len(lengths)
+        cache, plan, meta = build_kv4_case(lengths, hq, hkv, d, sink, recent, device)
         q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
         err = None
         if check:
@@ -77,15 +120,29 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True):
             ref, _ = decode_reference(q[:nb].float(), cache, **sub)
             out = kv4_decode(q.float(), cache, plan)[:nb]  # fp32 in and out: no bf16 output rounding
             err = float((out - ref).norm() / ref.norm())
-        ms = triton.testing.do_bench(lambda q=q, c=cache, pl=plan: kv4_decode(q, c, pl), warmup=50, rep=300,
-                                     return_mode="median")
-        nbytes = kv4_bytes(batch, length, hq, hkv, d, sink, recent)
-        rows.append(dict(batch=batch, length=length, splits=plan.num_splits, kv4_ms=ms, kv4_tb_s=nbytes / ms / 1e9,
-                         kv4_bytes=nbytes, bf16_bytes=bf16_bytes(batch, length, hq, hkv, d), rel_err_vs_ref=err))
-        print(f"B={batch:4d} L={length:6d} splits={plan.num_splits:3d} kv4 {ms:8.4f} ms "
-              f"{nbytes / ms / 1e9:6.2f} TB/s  err={err}", flush=True)
-        cache = plan = meta = q = None
+        ms = timed_ms(lambda q=q, c=cache, pl=plan: kv4_decode(q, c, pl))
+        nbytes = kv4_bytes(lengths, hq, hkv, d, sink, recent)
+        row = dict(shape=name, batch=batch, max_length=max(lengths), mean_length=sum(lengths) / batch,
+                   splits=plan.num_splits, kv4_ms=ms, kv4_tb_s=nbytes / ms / 1e9, kv4_bytes=nbytes,
+                   bf16_bytes=bf16_bytes(lengths, hq, hkv, d), rel_err_vs_ref=err)
+        cache = plan = meta = None
         torch.cuda.empty_cache()
+        if baselines:
+            k, v, bplan, indptr, indices = build_bf16_case(lengths, hkv, d, device)
+            row["ours_bf16_ms"] = timed_ms(lambda q=q, k=k, v=v, p=bplan: bf16_decode(q, k, v, p, sm_scale=d ** -0.5))
+            fi = flashinfer_decode(q, k, v, indptr, indices)
+            if fi is not None:
+                row["flashinfer_bf16_ms"] = timed_ms(fi)
+                row["flashinfer_tb_s"] = row["bf16_bytes"] / row["flashinfer_bf16_ms"] / 1e9
+                row["speedup_vs_flashinfer"] = row["flashinfer_bf16_ms"] / ms
+            row["speedup_vs_ours_bf16"] = row["ours_bf16_ms"] / ms
+            k = v = None
+            torch.cuda.empty_cache()
+        rows.append(row)
+        nan = float("nan")
+        print(f"{name:>14s} B={batch:4d} kv4 {ms:7.4f} ms {row['kv4_tb_s']:5.2f} TB/s | ours-bf16 "
+              f"{row.get('ours_bf16_ms', nan):7.4f} | flashinfer {row.get('flashinfer_bf16_ms', nan):7.4f} ms"
+              f" | x{row.get('speedup_vs_flashinfer', nan):.2f} vs FI  err={err}", flush=True)
     return rows
 
 
@@ -98,9 +155,9 @@ def sweep(batch, length, hq=32, hkv=8, d=128, sink=16, recent=128):
     from kvstreams_sglang.kernels import kv4_decode, plan_decode
 
     device = torch.device("cuda")
-    cache, base, _ = build_kv4_case(batch, length, hq, hkv, d, sink, recent, device)
+    cache, base, _ = build_kv4_case([length] * batch, hq, hkv, d, sink, recent, device)
     q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
-    nbytes = kv4_bytes(batch, length, hq, hkv, d, sink, recent)
+    nbytes = kv4_bytes([length] * batch, hq, hkv, d, sink, recent)
     rows = []
     for block_n in (64, 128):
         for target in (512, 1024, 2048):
@@ -127,6 +184,7 @@ def main():
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--sweep", default=None, help="B,L: time launch configurations on one shape")
+    p.add_argument("--no-baselines", action="store_true", help="time KV4 only (no BF16 / FlashInfer)")
     a = p.parse_args()
     if a.sweep:
         batch, length = map(int, a.sweep.split(","))
@@ -137,9 +195,13 @@ def main():
         with open(out, "w") as f:
             json.dump(dict(command=f"python -m bench.decode_attention --sweep {a.sweep}", rows=rows), f, indent=1)
         return
-    shapes = [(32, 2048), (64, 2048), (128, 8192)] if a.quick else [
-        (b, l) for b in (32, 64, 128, 256) for l in (1024, 2048, 4096, 8192, 16384, 32768) if b * l <= 2 ** 22]
-    rows = run(shapes)
+    grid = [(32, 2048), (64, 2048), (128, 8192)] if a.quick else [
+        (b, n) for b in (32, 64, 128, 256) for n in (1024, 2048, 4096, 8192, 16384, 32768) if b * n <= 2 ** 22]
+    shapes = [(f"{b}x{n}", [n] * b) for b, n in grid]
+    g = torch.Generator().manual_seed(0)  # mixed lengths within a batch: uniform 512..16k
+    shapes += [(f"mixed{b}", torch.randint(512, 16385, (b,), generator=g).tolist()) for b in ((64,) if a.quick
+                                                                                              else (64, 128, 256))]
+    rows = run(shapes, baselines=not a.no_baselines)
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(), rows=rows,
                   command="python -m bench.decode_attention" + (" --quick" if a.quick else ""))
     out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "decode_attention_h200.json")

@@ -8,7 +8,9 @@ the dense mask at 32k tokens.
 2. The same with `kv4rl` KV: mean/max |diff| and the token-level KL estimate.
 3. One 32k-token stream with evictions every few hundred tokens: flex vs dense logprobs and
    forward times.
-Usage: ``python -m bench.trainer_parity``; writes ``trainer_parity_h200.json``.
+Usage: ``python -m bench.trainer_parity [--model-path DIR] [--no-long]``; writes
+``trainer_parity_h200.json`` (with ``--model-path``: ``trainer_parity_<dir name>_h200.json``,
+e.g. the demo-trained model, whose peaked distributions are the realistic case).
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ def timed(fn, reps=3):
 
 
 def main():
+    import argparse
+
     from transformers import AutoModelForCausalLM
 
     from kvstreams_sglang.engine import Engine
@@ -71,12 +75,19 @@ def main():
     from kvstreams_sglang.testing.episodes import EVICTION_PATTERNS, scripted_episode
     from trainer_masks import stream_logprobs
 
-    path = build_tiny_model("/tmp/qwen3-0.6b-bytes", num_layers=28, hidden_size=1024, num_heads=16,
-                            num_kv_heads=8, intermediate_size=3072, dtype=torch.bfloat16)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-path", default=None, help="a local checkpoint (default: a random 0.6B-shaped model)")
+    p.add_argument("--no-long", action="store_true", help="skip the 32k flex-vs-dense timing")
+    args = p.parse_args()
+    if args.model_path:
+        path, model = args.model_path, f"{args.model_path} (bf16)"
+    else:
+        path = build_tiny_model("/tmp/qwen3-0.6b-bytes", num_layers=28, hidden_size=1024, num_heads=16,
+                                num_kv_heads=8, intermediate_size=3072, dtype=torch.bfloat16)
+        model = "Qwen3-0.6B shape (28 layers, 16/8 heads, d=128), random, byte vocab, bf16"
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                  command="python -m bench.trainer_parity",
-                  model="Qwen3-0.6B shape (28 layers, 16/8 heads, d=128), random, byte vocab, bf16")
+    command = "python -m bench.trainer_parity" + (f" --model-path {args.model_path}" if args.model_path else "")
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, command=command, model=model)
     for kv in ("bf16", "kv4rl"):
         eng = Engine(str(path), kv_dtype=kv, device="cuda", dtype=torch.bfloat16, max_tokens=65536, max_streams=8)
         rows = {}
@@ -90,6 +101,13 @@ def main():
         del eng
         torch.cuda.empty_cache()
 
+    name = f"trainer_parity_{os.path.basename(os.path.normpath(path))}_h200.json" if args.model_path \
+        else "trainer_parity_h200.json"
+    out = os.path.join(os.environ.get("OUT", "bench/results"), name)
+    if args.no_long:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     rec = long_record(32768)
     with torch.no_grad():
         lp_flex, t_flex = timed(lambda: stream_logprobs(trainer, rec, impl="flex"))
@@ -99,7 +117,6 @@ def main():
                                        mean_abs=float(d.mean()), flex_s=t_flex, sdpa_dense_s=t_sdpa,
                                        speedup=t_sdpa / t_flex)
     print("flex vs dense 32k:", result["flex_vs_dense_32k"], flush=True)
-    out = os.path.join(os.environ.get("OUT", "bench/results"), "trainer_parity_h200.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -27,7 +27,7 @@ import triton.language as tl
 
 from ..kv4.cache import KV4LayerCache
 from .quantize import kv4_quantize_query
-from .tiles import int4_tile, int8_tile
+from .tiles import int4_load, int4_math, int8_tile
 
 LOG2E = 1.4426950408889634
 
@@ -70,13 +70,26 @@ def _decode_kernel(
         q_sum = (tl.sum(q_lo.to(tl.int32), 1) + tl.sum(q_hi.to(tl.int32), 1)).to(tl.float32)
         qs = sq * sm_scale_log2
         acc_off = tl.zeros([BLOCK_H], tl.float32)
+        # Software pipeline over page-size-1 gathers (each tile's loads wait on its slot ids):
+        # tile i's math runs while tile i+1's codes and tile i+2's slot ids are in flight.
+        ar = tl.arange(0, BLOCK_N)
+        nmask = lo + ar < hi
+        slot = tl.load(KvIndices + start + lo + ar, mask=nmask, other=0).to(tl.int64)
+        kc, k_scale, k_off, vc, v_scale, v_off = int4_load(slot, nmask, hk, KCodes, KMeta, VCodes, VMeta,
+                                                           stride_cs, stride_ch, stride_ms, stride_mh, HALF)
+        mask_next = lo + BLOCK_N + ar < hi
+        slot_next = tl.load(KvIndices + start + lo + BLOCK_N + ar, mask=mask_next, other=0).to(tl.int64)
         for n0 in range(lo, hi, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < hi
-            slot = tl.load(KvIndices + start + n, mask=nmask, other=0).to(tl.int64)
-            m_i, l_i, acc_lo, acc_hi, acc_off = int4_tile(
-                q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nmask, hk,
-                KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh, HALF)
+            kc_n, k_scale_n, k_off_n, vc_n, v_scale_n, v_off_n = int4_load(
+                slot_next, mask_next, hk, KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh,
+                HALF)
+            mask_after = n0 + 2 * BLOCK_N + ar < hi
+            slot_after = tl.load(KvIndices + start + n0 + 2 * BLOCK_N + ar, mask=mask_after, other=0).to(tl.int64)
+            m_i, l_i, acc_lo, acc_hi, acc_off = int4_math(
+                q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, nmask, kc, k_scale, k_off, vc, v_scale,
+                v_off)
+            kc, k_scale, k_off, vc, v_scale, v_off = kc_n, k_scale_n, k_off_n, vc_n, v_scale_n, v_off_n
+            nmask, mask_next, slot_next = mask_next, mask_after, slot_after
         acc_lo += acc_off[:, None]
         acc_hi += acc_off[:, None]
     else:

@@ -19,19 +19,28 @@ def online_update(s, m_i, l_i, acc_lo, acc_hi):
 
 
 @triton.jit
-def int4_tile(q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nmask, hk,
-              KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh, HALF: tl.constexpr):
-    """INT4 keys/values at ``slot [BLOCK_N]``: ``q.k ~ s_q (scale (q8 . c) + offset sum(q8))`` as an
-    integer dot; ``P V = (P scale_v) c_v + P . offset_v`` as an fp16 dot plus a row sum (``acc_off``)."""
+def int4_load(slot, nmask, hk, KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh,
+              HALF: tl.constexpr):
+    """Issue the loads of one INT4 tile at ``slot [BLOCK_N]``: codes (split-half packed) and the
+    per-vector fp16 scale/offset of keys and values. Separate from ``int4_math`` so a loop can
+    issue tile i+1's loads before doing tile i's math (page-size-1 gathers are latency bound)."""
     d = tl.arange(0, HALF)
     code_ptr = slot[:, None] * stride_cs + hk * stride_ch + d[None, :]
     meta_ptr = slot * stride_ms + hk * stride_mh
-    kc = tl.load(KCodes + code_ptr, mask=nmask[:, None], other=0)  # [BLOCK_N, HALF] uint8, split-half packed
+    kc = tl.load(KCodes + code_ptr, mask=nmask[:, None], other=0)  # [BLOCK_N, HALF] uint8
     k_scale = tl.load(KMeta + meta_ptr, mask=nmask, other=0.0).to(tl.float32)
     k_off = tl.load(KMeta + meta_ptr + 1, mask=nmask, other=0.0).to(tl.float32)
     vc = tl.load(VCodes + code_ptr, mask=nmask[:, None], other=0)
     v_scale = tl.load(VMeta + meta_ptr, mask=nmask, other=0.0).to(tl.float32)
     v_off = tl.load(VMeta + meta_ptr + 1, mask=nmask, other=0.0).to(tl.float32)
+    return kc, k_scale, k_off, vc, v_scale, v_off
+
+
+@triton.jit
+def int4_math(q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, nmask, kc, k_scale, k_off, vc, v_scale,
+              v_off):
+    """``q.k ~ s_q (scale (q8 . c) + offset sum(q8))`` as an integer dot; ``P V = (P scale_v) c_v +
+    P . offset_v`` as an fp16 dot plus a row sum (``acc_off``)."""
     qk = tl.dot(q_lo, tl.trans((kc & 15).to(tl.int8))) + tl.dot(q_hi, tl.trans((kc >> 4).to(tl.int8)))
     s = qs[:, None] * (k_scale[None, :] * qk.to(tl.float32) + k_off[None, :] * q_sum[:, None])
     s = tl.where(nmask[None, :], s, float("-inf"))
@@ -41,6 +50,16 @@ def int4_tile(q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nm
     acc_hi += tl.dot(pv, (vc >> 4).to(tl.float16))
     acc_off = acc_off * alpha + tl.sum(p * v_off[None, :], 1)
     return m_i, l_i, acc_lo, acc_hi, acc_off
+
+
+@triton.jit
+def int4_tile(q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nmask, hk,
+              KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh, HALF: tl.constexpr):
+    """One INT4 tile, loads then math (the extend kernel's form)."""
+    kc, k_scale, k_off, vc, v_scale, v_off = int4_load(slot, nmask, hk, KCodes, KMeta, VCodes, VMeta, stride_cs,
+                                                       stride_ch, stride_ms, stride_mh, HALF)
+    return int4_math(q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, nmask, kc, k_scale, k_off, vc,
+                     v_scale, v_off)
 
 
 @triton.jit
