@@ -39,16 +39,18 @@ def int4_load(slot, nmask, hk, KCodes, KMeta, VCodes, VMeta, stride_cs, stride_c
 @triton.jit
 def int4_math(q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, nmask, kc, k_scale, k_off, vc, v_scale,
               v_off):
-    """``q.k ~ s_q (scale (q8 . c) + offset sum(q8))`` as an integer dot; ``P V = (P scale_v) c_v +
-    P . offset_v`` as an fp16 dot plus a row sum (``acc_off``)."""
+    """``q.k ~ s_q (scale (q8 . c) + offset sum(q8))`` as an integer dot; ``P V = (P scale_v) (c_v - 8) +
+    P . (offset_v + 8 scale_v)`` as an fp16 dot plus a row sum (``acc_off``). Centring the codes keeps
+    both terms O(|v|): with raw codes they are each ~range/2 and cancel, and the fp16 rounding of
+    ``P scale_v`` then dominates long averages (rel. error 4e-2 at 32k tokens of random data)."""
     qk = tl.dot(q_lo, tl.trans((kc & 15).to(tl.int8))) + tl.dot(q_hi, tl.trans((kc >> 4).to(tl.int8)))
     s = qs[:, None] * (k_scale[None, :] * qk.to(tl.float32) + k_off[None, :] * q_sum[:, None])
     s = tl.where(nmask[None, :], s, float("-inf"))
     p, m_i, l_i, acc_lo, acc_hi, alpha = online_update(s, m_i, l_i, acc_lo, acc_hi)
     pv = (p * v_scale[None, :]).to(tl.float16)
-    acc_lo += tl.dot(pv, (vc & 15).to(tl.float16))
-    acc_hi += tl.dot(pv, (vc >> 4).to(tl.float16))
-    acc_off = acc_off * alpha + tl.sum(p * v_off[None, :], 1)
+    acc_lo += tl.dot(pv, (vc & 15).to(tl.float16) - 8.0)
+    acc_hi += tl.dot(pv, (vc >> 4).to(tl.float16) - 8.0)
+    acc_off = acc_off * alpha + tl.sum(p * (v_off + 8.0 * v_scale)[None, :], 1)
     return m_i, l_i, acc_lo, acc_hi, acc_off
 
 
