@@ -75,7 +75,7 @@ def build_bf16_case(lengths, hkv, d, device, seed=1):
     indices = torch.randperm(total, device=device, generator=g).to(torch.int32)
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device, dtype=torch.int32)
     empty = torch.zeros_like(indptr)
-    plan = plan_decode(indptr, indices, empty, empty[:0], num_kv_heads=hkv)
+    plan = plan_decode(indptr, indices, empty, empty[:0], num_kv_heads=hkv, block_n=64, num_stages=2)
     return k, v, plan, indptr, indices
 
 

@@ -160,12 +160,15 @@ class DecodePlan:
 
 def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: torch.Tensor,
                 side_indices: torch.Tensor, *, num_kv_heads: int, num_splits: int | None = None,
-                block_n: int = 64, target_programs: int = 1024, num_warps: int = 4,
-                num_stages: int = 2) -> DecodePlan:
+                block_n: int = 128, target_programs: int = 1024, num_warps: int = 4,
+                num_stages: int = 1) -> DecodePlan:
     """Build the decode metadata once per step (one host sync for the longest INT4 list).
 
     ``num_splits`` defaults to enough splits to give ``target_programs`` programs (several
-    waves on a 132-SM H200) without splits shorter than one tile.
+    waves on a 132-SM H200) without splits shorter than one tile, rounded down to a power of
+    two: it is a compile-time constant of the kernel, and an engine whose batch and lengths
+    change every step would otherwise compile a variant for each value. Launch defaults from
+    the H200 sweep (bench/results/decode_sweep_h200.json: block 128, 4 warps, 1 stage).
     """
     lengths = kv_indptr[1:] - kv_indptr[:-1]
     max_len = int(lengths.max()) if lengths.numel() else 0
@@ -173,6 +176,7 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
     if num_splits is None:
         want = max(1, math.ceil(target_programs / max(1, batch * num_kv_heads)))
         num_splits = max(1, min(want, triton.cdiv(max_len, block_n)))
+        num_splits = 1 << (num_splits.bit_length() - 1)
     chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
     return DecodePlan(kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
                       num_splits, chunk, block_n, num_warps, num_stages)
