@@ -6,7 +6,7 @@ PYTHON ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NEEDS_SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),setup)
 
-.PHONY: setup test lint demo bench clean textworld alfworld swe train setup-swe swe-data
+.PHONY: setup test lint demo kv4-report bench clean textworld alfworld swe train setup-swe swe-data
 
 setup: $(STAMP)
 
@@ -26,8 +26,14 @@ test: $(NEEDS_SETUP)
 lint: $(NEEDS_SETUP)
 	$(PYTHON) -m ruff check .
 
+# the main job at CPU scale (configs/demo_textworld.toml): tiny Qwen3 on easy TextWorld games, held-out eval,
+# SFT on compacted expert episodes, async GRPO with KV-streams Sliding Window and kv4rl; a table and plots
 demo: $(NEEDS_SETUP)
-	$(PYTHON) -m kvstreams_sglang.demo
+	$(PYTHON) -m harness.demo $(ARGS)
+
+# KV4-RL on one tiny model's real KV: bits per element, bytes vs BF16, attention error per layer
+kv4-report: $(NEEDS_SETUP)
+	$(PYTHON) -m kvstreams_sglang.kv4_report
 
 # RL runs: make textworld STRATEGY=sliding_window EXEC=kv_streams KV=kv4rl ARGS="--trainer.lr 2e-6"
 STRATEGY ?= sliding_window

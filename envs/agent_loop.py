@@ -12,6 +12,7 @@ concurrently (asyncio) against one engine, which batches their steps.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -222,12 +223,16 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
 
 async def run_episodes(client: EngineClient, make_env, tasks: list[Task], renderer: ChatRenderer,
                        compaction: CompactionConfig, config: EpisodeConfig, *, concurrency: int = 64,
-                       seed: int = 0) -> list[Episode]:
-    """Run ``tasks`` concurrently (at most ``concurrency`` at a time) against one engine."""
+                       seed: int = 0, on_episode: Callable[[Episode], None] | None = None) -> list[Episode]:
+    """Run ``tasks`` concurrently (at most ``concurrency`` at a time) against one engine;
+    ``on_episode`` is called as each one ends (progress bars)."""
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int, task: Task) -> Episode:
         async with sem:
-            return await run_episode(client, make_env(), task, renderer, compaction, config, seed=seed + i)
+            ep = await run_episode(client, make_env(), task, renderer, compaction, config, seed=seed + i)
+        if on_episode is not None:
+            on_episode(ep)
+        return ep
 
     return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks))))

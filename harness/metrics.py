@@ -33,14 +33,15 @@ class MetricsLog:
             f.flush()
             os.fsync(f.fileno())
 
-    def plot(self, out: str | Path) -> Path:
+    def plot(self, out: str | Path, keys: list[str] | None = None) -> Path:
+        """One panel per metric of ``keys`` (default: the RL metrics ``PLOTTED``) over steps."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         rows = self.rows()
-        keys = [k for k in PLOTTED if any(k in r for r in rows)]
+        keys = [k for k in (keys or PLOTTED) if any(k in r for r in rows)]
         fig, axes = plt.subplots(len(keys), 1, figsize=(7, 1.8 * max(1, len(keys))), sharex=True, squeeze=False)
         for ax, key in zip(axes[:, 0], keys, strict=True):
             pts = [(r["step"], r[key]) for r in rows if key in r]

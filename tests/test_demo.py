@@ -1,11 +1,67 @@
-"""`make demo`'s current job runs end to end on a real tiny checkpoint."""
+"""`make demo` (``harness.demo``) runs the main job end to end: model, games, held-out
+evaluation, SFT on compacted expert episodes, async GRPO with kv4rl KV-streams, the table."""
 
-from kvstreams_sglang.demo import run
+import asyncio
+import json
+
+import pytest
+from rich.console import Console
+
+from harness.demo import STAGES, load_demo_config, report, run_demo
+from harness.evaluate import kv_peaks
+from trainer_masks import StreamRecord
 
 
-def test_demo_quantizes_a_real_model_and_reports_error(tiny_model_path):
-    rows = run(str(tiny_model_path), num_tokens=160, seed=0)
-    assert len(rows) == 2
-    for r in rows:
-        assert r["bits_per_element"] == 4.25
-        assert 0 < r["rel_err_kv4rl"] < 0.2
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory):
+    """The default demo config at the smallest size: 2 SFT steps, 1 RL step, 2 eval episodes."""
+    out = tmp_path_factory.mktemp("demo")
+    games = tmp_path_factory.mktemp("games")
+    cfg = load_demo_config(None, [
+        "--run.output_dir", str(out / "run"), "--run.steps", "1", "--run.checkpoint_every", "1",
+        "--model.tiny.num_layers", "1", "--model.tiny.hidden_size", "32",
+        "--environment.options", f'{{presets = ["easy"], n_train = 4, n_eval = 2, max_steps = 3, '
+                                 f'cache_dir = "{games}", progress = false}}',
+        "--environment.num_eval", "2", "--orchestrator.group_size", "2", "--orchestrator.groups_per_step", "1",
+        "--orchestrator.max_turns", "3", "--orchestrator.max_new_tokens", "4", "--inference.max_tokens", "8192",
+        "--inference.max_streams", "16", "--sft.steps", "2", "--sft.episodes", "8", "--sft.episodes_per_step", "4",
+        "--evaluation.expert_episodes", "4"])
+    summary = asyncio.run(run_demo(cfg))
+    return summary, out / "run"
+
+
+def test_demo_reports_every_stage_with_episode_counts(tiny_demo):
+    summary, out = tiny_demo
+    assert list(summary["stages"]) == list(STAGES)
+    for stage in summary["stages"].values():
+        assert stage["episodes"] == 2 and 0 <= stage["wins"] <= 2 and stage["win_rate"] == stage["wins"] / 2
+    console = Console(record=True, width=200)
+    console.print(report(summary))
+    text = console.export_text()
+    for line in (*STAGES, "peak live KV (compacted)", "full context (no compaction)", "tokens re-prefilled"):
+        assert line in text
+    assert json.loads((out / "summary.json").read_text()) == summary
+    assert [json.loads(x)["stage"] for x in (out / "eval.jsonl").read_text().splitlines()] == list(STAGES)
+    for path in ("demo.png", "sft/metrics.jsonl", "sft/model/config.json", "rl/metrics.jsonl", "rl/metrics.png"):
+        assert (out / path).exists(), path
+
+
+def test_demo_never_reprefills_and_kv4_beats_bf16(tiny_demo):
+    summary, _ = tiny_demo
+    assert summary["tokens_reprefilled"] == {"rl": 0, "eval": 0}
+    kv = summary["kv"]
+    assert 0 < kv["peak"]["tokens"] <= kv["full_context"]["tokens"]
+    assert kv["peak"]["kv4rl"] < kv["peak"]["bf16"]
+
+
+def test_sft_lowers_the_held_out_expert_command_loss(tiny_demo):
+    summary, _ = tiny_demo
+    assert summary["expert_nll"]["after_sft"] < summary["expert_nll"]["before_sft"]
+
+
+def test_kv_peaks_counts_the_keys_a_query_sees_under_evictions():
+    # 10 tokens; [2, 6) evicted when 7 tokens were computed: query 6 saw 7 keys, query 9 sees 6
+    record = StreamRecord(token_ids=list(range(10)), positions=list(range(10)), sources=["prompt"] * 10,
+                          loss_mask=[False] * 10, logprobs=[None] * 10, policy_versions=[None] * 10,
+                          evictions=[{"at_index": 7, "spans": [(2, 6)]}])
+    assert kv_peaks(record) == (7, 10)

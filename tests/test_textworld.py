@@ -166,6 +166,7 @@ def test_parse_action_takes_the_first_command_line():
     assert parse_action("<think>go west?\nno</think>\n\n> Open the door\nthen go") == "Open the door"
     assert parse_action("  `take key`  ") == "take key"
     assert parse_action("go\x00 north\x1b") == "go north"
+    assert parse_action("\\, open box\\") == ", open box"  # no interpreter escapes
     assert parse_action("<think>unfinished thought") == ""
 
 

@@ -33,7 +33,8 @@ class TextWorldEnv:
     system_prompt = SYSTEM_PROMPT
 
     def __init__(self, *, max_steps: int = 100, score_weight: float = 1.0, win_bonus: float = 1.0,
-                 list_commands: bool = False, expert: bool = True):
+                 list_commands: bool = False, expert: bool = True, system_prompt: str = SYSTEM_PROMPT):
+        self.system_prompt = system_prompt
         self.max_steps, self.score_weight, self.win_bonus = max_steps, score_weight, win_bonus
         self.list_commands, self.expert = list_commands, expert
         self._player = None

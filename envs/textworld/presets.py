@@ -3,6 +3,7 @@
 =============  ==========================  ==========================================  ============
 preset         generator                   settings                                    expert steps
 =============  ==========================  ==========================================  ============
+``easy``       custom world (Python API)   1 room, 3 objects, quest length 1           1
 ``short``      custom world (Python API)   3 rooms, 6 objects, quest length 5          5
 ``simple``     ``tw-simple``               dense rewards, detailed goal                8-12
 ``coin``       ``tw-coin_collector``       level 10: a chain of 10 rooms               10
@@ -45,9 +46,12 @@ def _cooking(name: str, recipe: int, rooms: int) -> Preset:
 
 
 PRESETS: dict[str, Preset] = {p.name: p for p in (
+    Preset("easy", CUSTOM, dict(rooms=1, objects=3, quest_length=1)),  # make demo: a tiny model learns it on CPU
     Preset("short", CUSTOM, dict(rooms=3, objects=6, quest_length=5)),
     Preset("simple", "tw-simple", dict(rewards="dense", goal="detailed", test=False), {"eval": {"test": True}}),
     Preset("coin", "tw-coin_collector", dict(level=10)),
+    Preset("coin2", "tw-coin_collector", dict(level=2)),
+    Preset("coin3", "tw-coin_collector", dict(level=3)),
     Preset("treasure", "tw-treasure_hunter", dict(level=15)),
     _cooking("cooking", recipe=2, rooms=6),
     _cooking("long", recipe=3, rooms=9),

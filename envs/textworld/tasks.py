@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from envs.protocol import Task
 
-from .env import TextWorldEnv
+from .env import SYSTEM_PROMPT, TextWorldEnv
 from .generate import GameSpec, default_cache_dir, generate_games
 from .presets import PRESETS
 
@@ -40,6 +40,8 @@ class TextWorldConfig(BaseModel):
     win_bonus: float = Field(1.0, description="reward added on the winning step")
     list_commands: bool = Field(False, description="append the admissible commands to every observation")
     expert: bool = Field(True, description="track TextWorld's plan (needed for expert_action; costs CPU per step)")
+    system_prompt: str = Field(SYSTEM_PROMPT, min_length=1, description="a small model trained from scratch "
+                                                                       "needs none of the default's advice")
 
     @field_validator("presets")
     @classmethod
@@ -69,4 +71,4 @@ class TextWorldTasks:
     def make_env(self) -> TextWorldEnv:
         c = self.config
         return TextWorldEnv(max_steps=c.max_steps, score_weight=c.score_weight, win_bonus=c.win_bonus,
-                            list_commands=c.list_commands, expert=c.expert)
+                            list_commands=c.list_commands, expert=c.expert, system_prompt=c.system_prompt)

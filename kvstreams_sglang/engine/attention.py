@@ -8,15 +8,21 @@ step's ``ForwardBatch`` and the storage backend in its kwargs, writes the new KV
 pool and attends over each stream's kept slots. Two backends:
 
 - ``FullPrecisionBackend``: pool in the model dtype, gather + SDPA (exact reference path).
-- ``KV4Backend``: KV4-RL storage through the Triton kernels (store / extend / decode).
+- ``KV4Backend``: KV4-RL storage through the Triton kernels (store / extend / decode) on
+  the GPU; on the CPU through their torch references (``kv4.reference``: the same
+  arithmetic), since Triton's interpreter runs a kernel program by program, thousands of
+  times slower. The kernels stay tested under the interpreter against those references.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels import bf16_decode, kv4_decode, kv4_extend, kv4_store, plan_decode
+from ..kv4.reference import decode_reference, extend_reference, store_reference
 from ..streams import FullPrecisionPool, KV4Pool, SlotTable
 from .batch import ForwardBatch, StepItem, build_full_precision_batch, build_kv4_batch
 
@@ -32,7 +38,7 @@ class FullPrecisionBackend:
         if mode == "decode" and torch.device(device).type == "cuda":
             # Paged Triton decode on the GPU; the gather + SDPA path stays the CPU reference.
             empty = torch.zeros_like(fb.kv_indptr)
-            fb.decode_plan = plan_decode(fb.kv_indptr, fb.kv_indices, empty, empty[:0],
+            fb.decode_plan = plan_decode(fb.kv_indptr, fb.kv_indices, empty, empty[:0], block_n=64, num_stages=2,
                                          num_kv_heads=self.pool.k[0].shape[1])
         return fb
 
@@ -52,17 +58,34 @@ class FullPrecisionBackend:
 
 
 class KV4Backend:
-    def __init__(self, pool: KV4Pool):
-        self.pool = pool
+    """``impl``: ``"triton"`` (the kernels), ``"torch"`` (their references) or ``"auto"``:
+    the kernels on CUDA, the references elsewhere."""
+
+    def __init__(self, pool: KV4Pool, impl: Literal["auto", "triton", "torch"] = "auto"):
+        if impl not in ("auto", "triton", "torch"):
+            raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
+        self.pool, self.impl = pool, impl
+
+    def _triton(self, device) -> bool:
+        return self.impl == "triton" or (self.impl == "auto" and torch.device(device).type == "cuda")
 
     def prepare(self, items: list[StepItem], mode, table: SlotTable, device) -> ForwardBatch:
         fb = build_kv4_batch(items, mode, table, self.pool, device)
-        if mode == "decode":
+        if mode == "decode" and self._triton(device):
             fb.decode_plan = plan_decode(**fb.kv4, num_kv_heads=self.pool.layers[0].num_kv_heads)
         return fb
 
     def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
+        # q [N, Hq, D], k/v [N, Hkv, D] -> out [N, Hq, D]; decode stores first (a token sees
+        # its own quantised KV), extend attends to the new tokens in full precision, then stores
         cache = self.pool.layers[layer]
+        if not self._triton(q.device):
+            if fb.mode == "decode":
+                store_reference(cache, k, v, fb.out_slots, fb.side_slots)
+                return decode_reference(q, cache, **fb.kv4, sm_scale=scaling)[0].to(q.dtype)
+            out = extend_reference(q, k, v, fb.qo_indptr, cache, **fb.kv4, sm_scale=scaling)
+            store_reference(cache, k, v, fb.out_slots, fb.side_slots)
+            return out.to(q.dtype)
         if fb.mode == "decode":
             kv4_store(cache, k, v, fb.out_slots, fb.side_slots)
             return kv4_decode(q, cache, fb.decode_plan, sm_scale=scaling)

@@ -37,18 +37,10 @@ def hadamard_matrix(n: int, *, dtype: torch.dtype = torch.float32, device=None) 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
     """Rotate the last dimension of ``x`` by the normalised Hadamard matrix.
 
-    Fast Walsh-Hadamard transform (log2(n) butterfly stages) in ``x``'s dtype, so a
-    float64 input is rotated exactly to float64 precision.
+    One GEMM with the matrix in ``x``'s dtype (as the kernels do it; one pass beats
+    log2(n) butterfly passes of small ops), so a float64 input is rotated to float64
+    precision.
     """
     n = x.shape[-1]
     _check_power_of_two(n)
-    lead = x.shape[:-1]
-    y = x.reshape(-1, n)
-    h = 1
-    while h < n:
-        # [rows, n/(2h), 2, h]: pair element i with i+h inside each block of 2h.
-        y = y.reshape(-1, n // (2 * h), 2, h)
-        a, b = y[:, :, 0, :], y[:, :, 1, :]
-        y = torch.stack((a + b, a - b), dim=2)
-        h *= 2
-    return (y.reshape(*lead, n) / math.sqrt(n)).to(x.dtype)
+    return x @ hadamard_matrix(n, dtype=x.dtype, device=x.device)

@@ -57,36 +57,57 @@ def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.transpose(0, 1).repeat_interleave(group, dim=0)
 
 
-def int4_region_attention(q8: Int8Tensor, k: Int4Tensor, v: Int4Tensor, sm_scale: float,
-                          acc: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query row per head ``q8 [Hq, D]`` over INT4 keys/values ``[N, Hkv, D]``.
+def _per_key(x: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``[..., N, Hkv] -> [..., Hkv, 1, N]``: a per-key factor broadcast over the query heads of a group."""
+    return x.to(acc).movedim(-1, -2)[..., None, :]
 
-    Returns ``(out [Hq, D], lse [Hq])``; ``lse = -inf`` and ``out = 0`` when ``N = 0``.
+
+def _region_attention(q8: Int8Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_offset: torch.Tensor | None,
+                      v_codes: torch.Tensor, v_scale: torch.Tensor, v_offset: torch.Tensor | None, sm_scale: float,
+                      acc: torch.dtype, valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared by both regions. ``q8 [..., Hq, D]``; codes ``[..., N, Hkv, D]`` (leading dims
+    broadcast against the query's), per-vector ``scale``/``offset [..., N, Hkv]`` (no offset:
+    symmetric INT8). Query head ``h`` reads KV head ``h // (Hq / Hkv)`` (GQA)."""
+    *lead, hq, d = q8.codes.shape
+    hkv = k_codes.shape[-2]
+    qc = q8.codes.to(acc).reshape(*lead, hkv, hq // hkv, d)  # [..., Hkv, G, D]
+    sq = q8.scale.to(acc).reshape(*lead, hkv, hq // hkv, 1)  # [..., Hkv, G, 1]
+    dot = qc @ k_codes.to(acc).movedim(-3, -1)  # [..., Hkv, G, N], exact integers
+    scores = _per_key(k_scale, acc) * dot
+    if k_offset is not None:  # INT4 keys are affine: k = scale * c + offset
+        scores = scores + _per_key(k_offset, acc) * qc.sum(-1, keepdim=True)
+    scores = sq * scores * sm_scale
+    if valid is not None:  # [..., N]
+        scores = scores.masked_fill(~valid[..., None, None, :], -math.inf)
+    lse = torch.logsumexp(scores, dim=-1)  # [..., Hkv, G]; -inf for an empty region
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(scores - safe[..., None])  # [..., Hkv, G, N]
+    # P V = (P * scale_v) c_v + P . offset_v, as the kernels compute it
+    out = (p * _per_key(v_scale, acc)) @ v_codes.to(acc).movedim(-3, -2)  # [..., Hkv, G, D]
+    if v_offset is not None:
+        out = out + (p * _per_key(v_offset, acc)).sum(-1, keepdim=True)
+    return out.reshape(*lead, hq, d), lse.reshape(*lead, hq)
+
+
+def int4_region_attention(q8: Int8Tensor, k: Int4Tensor, v: Int4Tensor, sm_scale: float,
+                          acc: torch.dtype = torch.float32,
+                          valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows ``q8 [..., Hq, D]`` (one per head) over INT4 keys/values ``[..., N, Hkv, D]``
+    (leading dims broadcast: ``[N, Hkv, D]`` for one sequence, ``[B, N, Hkv, D]`` with a
+    ``valid [B, N]`` padding mask for a batch): scores ``s_q * (scale_k * (q8 . c) +
+    offset_k * sum(q8))``, values ``scale_v * c + offset_v``.
+
+    Returns ``(out [..., Hq, D], lse [..., Hq])``; ``lse = -inf`` and ``out = 0`` when ``N = 0``.
     """
-    hq, d = q8.codes.shape
-    group = hq // k.shape[1]
-    qc = q8.codes.to(acc)  # [Hq, D]
-    sq = q8.scale.to(acc)  # [Hq]
-    kc = _expand_heads(k.unpack_codes(), group).to(acc)  # [Hq, N, D]
-    ks, ko = _expand_heads(k.scale, group).to(acc), _expand_heads(k.offset, group).to(acc)  # [Hq, N]
-    dot = torch.einsum("hd,hnd->hn", qc, kc)  # exact integers
-    scores = sq[:, None] * (ks * dot + ko * qc.sum(-1, keepdim=True)) * sm_scale
-    vals = _expand_heads(v.unpack_codes(), group).to(acc) * _expand_heads(v.scale, group).to(acc)[..., None]
-    vals = vals + _expand_heads(v.offset, group).to(acc)[..., None]
-    return _softmax_region(scores, vals)
+    return _region_attention(q8, k.unpack_codes(), k.scale, k.offset, v.unpack_codes(), v.scale, v.offset,
+                             sm_scale, acc, valid)
 
 
 def int8_region_attention(q8: Int8Tensor, k: Int8Tensor, v: Int8Tensor, sm_scale: float,
-                          acc: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+                          acc: torch.dtype = torch.float32,
+                          valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Like ``int4_region_attention`` over the INT8 side cache: ``s_q * s_k * (q8 . k8)``."""
-    hq = q8.codes.shape[0]
-    group = hq // k.shape[1]
-    qc, sq = q8.codes.to(acc), q8.scale.to(acc)
-    kc = _expand_heads(k.codes, group).to(acc)
-    ks = _expand_heads(k.scale, group).to(acc)
-    scores = sq[:, None] * ks * torch.einsum("hd,hnd->hn", qc, kc) * sm_scale
-    vals = _expand_heads(v.codes, group).to(acc) * _expand_heads(v.scale, group).to(acc)[..., None]
-    return _softmax_region(scores, vals)
+    return _region_attention(q8, k.codes, k.scale, None, v.codes, v.scale, None, sm_scale, acc, valid)
 
 
 def full_precision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float,
@@ -107,15 +128,6 @@ def full_precision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out, lse
 
 
-def _softmax_region(scores: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # scores [Hq, N], vals [Hq, N, D]
-    if scores.shape[-1] == 0:
-        return vals.new_zeros(vals.shape[0], vals.shape[-1]), scores.new_full(scores.shape[:1], -math.inf)
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.einsum("hn,hnd->hd", torch.exp(scores - lse[:, None]), vals)
-    return out, lse
-
-
 def merge_states(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax merge of attention over disjoint key sets: ``out = sum_i w_i out_i``,
     ``w_i = exp(lse_i - lse)``, ``lse = logsumexp_i lse_i``. Empty sets carry ``lse = -inf``."""
@@ -131,6 +143,16 @@ def _ranges(indptr: torch.Tensor, i: int) -> slice:
     return slice(int(indptr[i]), int(indptr[i + 1]))
 
 
+def _padded(indptr: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """CSR lists -> ``(slots [B, L], valid [B, L])``, each row padded (with slot 0) to the longest."""
+    start, lengths = indptr[:-1].long(), (indptr[1:] - indptr[:-1]).long()
+    col = torch.arange(int(lengths.max()) if lengths.numel() else 0, device=indptr.device)
+    valid = col[None] < lengths[:, None]
+    if not valid.any():
+        return torch.zeros(valid.shape, dtype=torch.long, device=indptr.device), valid
+    return indices.long()[torch.where(valid, start[:, None] + col[None], 0)], valid
+
+
 def decode_reference(q: torch.Tensor, cache: KV4LayerCache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                      side_indptr: torch.Tensor, side_indices: torch.Tensor, *, sm_scale: float | None = None,
                      rotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,16 +163,12 @@ def decode_reference(q: torch.Tensor, cache: KV4LayerCache, kv_indptr: torch.Ten
     """
     acc = _acc_dtype(q)
     sm_scale = sm_scale if sm_scale is not None else q.shape[-1] ** -0.5
-    outs, lses = [], []
-    for b in range(q.shape[0]):
-        q8 = quantize_query(q[b], rotate=rotate)
-        slots, side = kv_indices[_ranges(kv_indptr, b)].long(), side_indices[_ranges(side_indptr, b)].long()
-        o4, l4 = int4_region_attention(q8, cache.int4_k(slots), cache.int4_v(slots), sm_scale, acc)
-        o8, l8 = int8_region_attention(q8, cache.int8_k(side), cache.int8_v(side), sm_scale, acc)
-        o, lse = merge_states([o4, o8], [l4, l8])
-        outs.append(o)
-        lses.append(lse)
-    return torch.stack(outs), torch.stack(lses)
+    q8 = quantize_query(q, rotate=rotate)  # [B, Hq, D]
+    slots, valid = _padded(kv_indptr, kv_indices)  # [B, L4]
+    o4, l4 = int4_region_attention(q8, cache.int4_k(slots), cache.int4_v(slots), sm_scale, acc, valid)
+    side, side_valid = _padded(side_indptr, side_indices)  # [B, L8]
+    o8, l8 = int8_region_attention(q8, cache.int8_k(side), cache.int8_v(side), sm_scale, acc, side_valid)
+    return merge_states([o4, o8], [l4, l8])
 
 
 def extend_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
@@ -174,11 +192,10 @@ def extend_reference(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
         slots, side = kv_indices[_ranges(kv_indptr, b)].long(), side_indices[_ranges(side_indptr, b)].long()
         causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         o_new, l_new = full_precision_attention(qb, k_new[rows], v_new[rows], sm_scale, causal, acc)
-        for t in range(n):
-            q8 = quantize_query(qb[t], rotate=rotate)
-            o4, l4 = int4_region_attention(q8, cache.int4_k(slots), cache.int4_v(slots), sm_scale, acc)
-            o8, l8 = int8_region_attention(q8, cache.int8_k(side), cache.int8_v(side), sm_scale, acc)
-            out[rows.start + t] = merge_states([o4, o8, o_new[t]], [l4, l8, l_new[t]])[0]
+        q8 = quantize_query(qb, rotate=rotate)  # [n, Hq, D]: every new token's query at once
+        o4, l4 = int4_region_attention(q8, cache.int4_k(slots), cache.int4_v(slots), sm_scale, acc)
+        o8, l8 = int8_region_attention(q8, cache.int8_k(side), cache.int8_v(side), sm_scale, acc)
+        out[rows] = merge_states([o4, o8, o_new], [l4, l8, l_new])[0]
     return out
 
 

@@ -59,7 +59,13 @@ class KV4Pool:
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """INT4 region: codes (4 bits/element) + fp16 scale and offset per token-head, K and V."""
         return 2 * num_layers * num_kv_heads * (head_dim // 2 + 4)
+
+    @staticmethod
+    def side_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """INT8 side cache, per protected (sink or recent) position: codes + fp16 scale, K and V."""
+        return 2 * num_layers * num_kv_heads * (head_dim + 2)
 
     def side_slot(self, row: int, position: int) -> int:
         """Side slot a newly computed token at ``position`` writes its INT8 copy to."""

@@ -1,4 +1,4 @@
-"""`make demo` for now: quantise a real (tiny, random) Qwen3 model's KV cache to KV4-RL
+"""`make kv4-report`: quantise a real (tiny, random) Qwen3 model's KV cache to KV4-RL
 and report what it costs (bits per element, bytes vs BF16) and what it changes
 (attention error per layer against exact float64 attention).
 
@@ -39,7 +39,7 @@ def run(model_path: str | None, num_tokens: int, seed: int) -> list[dict]:
     from .testing import build_tiny_model
 
     if model_path is None:
-        model_path = build_tiny_model(tempfile.mkdtemp(prefix="kvstreams-demo-"), num_layers=4, seed=seed)
+        model_path = build_tiny_model(tempfile.mkdtemp(prefix="kvstreams-kv4-report-"), num_layers=4, seed=seed)
     records: list = []
     AttentionInterface.register("kv4_probe", _record_attention(records))
     tok = AutoTokenizer.from_pretrained(model_path)

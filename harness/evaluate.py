@@ -1,0 +1,97 @@
+"""Held-out evaluation: episodes on the eval split, through the engine and the agent loop.
+
+The same path as training rollouts (engine streams, the run's compaction strategy and
+KV dtype), at the evaluation temperature (0: greedy), one episode per held-out game.
+Besides win rate and reward it measures, from the episodes' records, the KV an episode
+held: the most keys any of its tokens attended to (``kv_peaks``), against what the same
+stream would hold with nothing evicted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from envs.agent_loop import Episode, EpisodeConfig, run_episodes
+from envs.chat import ChatRenderer
+from envs.client import BuiltinClient
+from envs.protocol import Task, TaskSet
+from kvstreams_sglang.engine import Engine
+from trainer_masks import StreamRecord
+
+from .config import Config
+
+
+def kv_peaks(record: StreamRecord) -> tuple[int, int]:
+    """``(peak live, full context)`` KV tokens of a KV-streams record: the most keys one
+    query saw (``k <= q < death[k]``), and the stream's length, which a query at its end
+    would have seen had nothing been evicted."""
+    n = len(record.token_ids)
+    died_at = [0] * (n + 1)
+    for d in record.death():
+        died_at[d] += 1
+    peak, dead = 0, 0
+    for q in range(n):
+        dead += died_at[q]
+        peak = max(peak, q + 1 - dead)
+    return peak, n
+
+
+@dataclass
+class EvalResult:
+    stage: str
+    episodes: int
+    wins: int
+    mean_reward: float
+    mean_turns: float
+    tokens_reprefilled: int  # by the agent loop (re-prefill execution) and by the engine
+    peak_kv_tokens: int  # max over episodes of kv_peaks()[0]
+    full_context_tokens: int  # max over episodes of kv_peaks()[1]
+    compactions: int
+
+    @property
+    def win_rate(self) -> float:
+        return self.wins / max(1, self.episodes)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "win_rate": self.win_rate}
+
+
+def make_engine(cfg: Config, model_path: str, device: torch.device) -> Engine:
+    """The run's inference engine (KV dtype, pool, INT8 side cache) on ``model_path``."""
+    i = cfg.inference
+    return Engine(model_path, kv_dtype=i.kv_dtype, device=device,
+                  dtype=torch.float32 if device.type == "cpu" else None, max_tokens=i.max_tokens,
+                  max_streams=i.max_streams, sink=i.sink, recent=i.recent)
+
+
+def episode_config(cfg: Config, temperature: float) -> EpisodeConfig:
+    o = cfg.orchestrator
+    return EpisodeConfig(max_turns=o.max_turns, max_tokens=o.max_tokens, max_new_tokens=o.max_new_tokens,
+                         temperature=temperature, top_p=o.top_p, env_in_thread=o.env_in_thread)
+
+
+async def evaluate(stage: str, engine: Engine, taskset: TaskSet, tasks: list[Task], renderer: ChatRenderer,
+                   cfg: Config, *, temperature: float = 0.0, seed: int = 0) -> tuple[EvalResult, list[Episode]]:
+    """One episode per task; a progress bar while they run."""
+    from rich.progress import Progress
+
+    before = engine.stats.tokens_reprefilled
+    with Progress(transient=True) as progress:
+        bar = progress.add_task(f"eval {stage}", total=len(tasks))
+        episodes = await run_episodes(BuiltinClient(engine), taskset.make_env, tasks, renderer, cfg.compaction,
+                                      episode_config(cfg, temperature), concurrency=cfg.inference.max_streams,
+                                      seed=seed, on_episode=lambda _: progress.advance(bar))
+    peaks = [kv_peaks(r) for ep in episodes for r in ep.records]
+    n = len(episodes)
+    result = EvalResult(
+        stage=stage, episodes=n, wins=sum(ep.won for ep in episodes),
+        mean_reward=sum(ep.reward for ep in episodes) / max(1, n),
+        mean_turns=sum(ep.stats.turns for ep in episodes) / max(1, n),
+        tokens_reprefilled=sum(ep.stats.tokens_reprefilled for ep in episodes)
+        + engine.stats.tokens_reprefilled - before,
+        peak_kv_tokens=max((p for p, _ in peaks), default=0),
+        full_context_tokens=max((f for _, f in peaks), default=0),
+        compactions=sum(ep.stats.compactions for ep in episodes))
+    return result, episodes

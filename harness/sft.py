@@ -1,0 +1,190 @@
+"""SFT warm-start: the environment's expert played through the real agent loop, then
+cross-entropy on its commands, scored exactly as the RL trainer scores rollouts.
+
+The expert's episodes go through ``envs.agent_loop.run_episode`` with the run's
+compaction strategy, so their records are the ``StreamRecord``s the sampler would have
+produced had the model written the expert's commands: same chat rendering, same
+positions, same eviction events. The model therefore learns to act from a *compacted*
+context. ``ExpertClient`` stands in for the engine: it keeps the streams' bookkeeping
+(``KVStream``: computed/pending tokens, slots, evictions) and runs no model.
+
+Detours (``SFTConfig.detour``): with that probability a turn plays a harmless command
+(``look``, ``inventory``) instead of the expert's; its tokens are kept out of the loss.
+Episodes then run long enough for the strategy to evict turns, and the model sees how to
+carry on after a command that did not advance the game -- what it meets in its own
+rollouts.
+
+The loss: ``-sum(logprob of loss tokens) / loss tokens`` per step, from
+``trainer_masks.score_streams`` on the trainer's (FSDP-wrapped) model.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from envs.agent_loop import EpisodeConfig, run_episode
+from envs.chat import ChatRenderer
+from envs.compaction import CompactionConfig
+from envs.protocol import Environment, TaskSet
+from kvstreams_sglang.engine import Generation, SamplingParams
+from kvstreams_sglang.streams import KVStream, StreamTable
+from trainer_masks import StreamRecord, score_streams
+
+from .trainer import Trainer
+
+# Strategies whose compaction asks the model a question (a summary, a pick): the expert has
+# no answer for those, so their records cannot be built this way.
+ASKS_THE_MODEL = ("summary", "markovian_pick")
+
+
+class SFTConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    steps: int = Field(40, ge=0, description="optimizer steps (0: no warm-start)")
+    lr: float = Field(3e-3, gt=0)
+    episodes_per_step: int = Field(16, ge=1, description="expert episodes per optimizer step")
+    episodes: int = Field(256, ge=1, description="expert episodes played (over the train games); steps cycle "
+                                                 "through them")
+    detour: float = Field(0.5, ge=0, lt=1, description="probability that a turn plays a detour, not the expert")
+    detours: list[str] = Field(["look", "inventory"], min_length=1, description="harmless commands")
+    micro_batch_records: int = Field(4, ge=1)
+
+
+class ExpertClient:
+    """An ``EngineClient`` that writes ``env``'s expert commands instead of sampling a model.
+
+    Mirrors the engine's stream semantics without running it: a generation first computes
+    every pending token, each "sampled" token is pending until the next one is produced,
+    and the last one stays pending; evictions are recorded at the computed boundary. One
+    client per episode (it reads its environment's expert)."""
+
+    policy_version = 0
+
+    def __init__(self, env: Environment, renderer: ChatRenderer, *, detour: float = 0.0,
+                 detours: list[str] | tuple[str, ...] = ("look",), seed: int = 0):
+        self.env, self.renderer = env, renderer
+        self.detour, self.detours = detour, list(detours)
+        self.rng = random.Random(seed)
+        self.table = StreamTable(num_slots=1 << 20, max_streams=4)
+        self.unscored: dict[int, set[int]] = {}  # stream -> positions of detour tokens (no loss)
+
+    def _compute(self, stream: KVStream) -> None:
+        n = len(stream.pending)
+        if n:
+            stream.commit(self.table.allocator.alloc(n))
+
+    async def open(self, token_ids):
+        return self.table.open(token_ids).sid
+
+    async def append(self, sid, token_ids, source="env"):
+        self.table.get(sid).add(list(token_ids), source)
+
+    async def generate(self, sid, params: SamplingParams) -> Generation:
+        stream = self.table.get(sid)
+        action = self.env.expert_action()
+        detour = action is None or self.rng.random() < self.detour
+        if detour:
+            action = self.rng.choice(self.detours)
+        tokens = self.renderer.encode(action) + [self.renderer.eos_ids[0]]
+        finish = "stop" if len(tokens) <= params.max_new_tokens else "length"
+        tokens = tokens[:params.max_new_tokens]
+        for token in tokens:
+            self._compute(stream)
+            stream.add_sampled(token, 0.0, self.policy_version)  # the expert's choice has probability 1
+            if detour:
+                self.unscored.setdefault(sid, set()).add(stream.end - 1)
+        return Generation(tokens, [0.0] * len(tokens), finish)
+
+    async def evict(self, sid, spans):
+        return self.table.evict(sid, spans)
+
+    async def prefill(self, sid):
+        self._compute(self.table.get(sid))
+
+    async def live_tokens(self, sid):
+        return self.table.get(sid).num_live
+
+    async def close(self, sid, **meta) -> StreamRecord:
+        record = self.table.get(sid).to_record(**meta)
+        unscored = self.unscored.pop(sid, set())
+        record.loss_mask = [m and i not in unscored for i, m in enumerate(record.loss_mask)]
+        self.table.close(sid)
+        return record
+
+
+async def expert_records(taskset: TaskSet, renderer: ChatRenderer, compaction: CompactionConfig,
+                         episode: EpisodeConfig, config: SFTConfig, *, split: str = "train", seed: int = 0,
+                         on_episode: Callable[[], None] | None = None) -> list[StreamRecord]:
+    """``config.episodes`` expert episodes over the ``split`` games (cycling), as records."""
+    if compaction.strategy in ASKS_THE_MODEL:
+        raise ValueError(f"SFT from expert episodes needs a strategy that never asks the model; "
+                         f"{compaction.strategy!r} does")
+    tasks = taskset.tasks(split)
+    records: list[StreamRecord] = []
+    for i in range(config.episodes):
+        env = taskset.make_env()
+        client = ExpertClient(env, renderer, detour=config.detour, detours=config.detours, seed=seed + i)
+        ep = await run_episode(client, env, tasks[i % len(tasks)], renderer, compaction, episode)
+        records.extend(ep.records)
+        if on_episode is not None:
+            on_episode()
+    return records
+
+
+def expert_nll(trainer: Trainer, records: list[StreamRecord], *, micro_batch: int = 4,
+               backward: bool = False) -> float:
+    """Mean negative logprob of the records' loss tokens (the expert's commands) under the
+    trainer's model; with ``backward`` the gradient of that mean is accumulated."""
+    total = sum(sum(r.loss_mask) for r in records)
+    nll = 0.0
+    for start in range(0, len(records), micro_batch):
+        with torch.enable_grad() if backward else torch.no_grad():
+            scores = score_streams(trainer.model, records[start:start + micro_batch], impl=trainer.config.impl)
+            loss = -sum(s.logprobs[s.loss_mask].sum() for s in scores) / max(total, 1)
+        if backward:
+            loss.backward()
+        nll += float(loss.detach())
+    return nll
+
+
+def sft_step(trainer: Trainer, records: list[StreamRecord], *, micro_batch: int = 4) -> dict[str, float]:
+    """One optimizer step of cross-entropy on ``records``' loss tokens."""
+    trainer.model.train()
+    trainer.optimizer.zero_grad(set_to_none=True)
+    nll = expert_nll(trainer, records, micro_batch=micro_batch, backward=True)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.config.grad_clip)
+    trainer.optimizer.step()
+    return {"nll": nll, "loss_tokens": float(sum(sum(r.loss_mask) for r in records)),
+            "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
+
+
+def batches(records: list[StreamRecord], size: int, steps: int, *, seed: int = 0) -> list[list[StreamRecord]]:
+    """``steps`` batches of ``size`` records: shuffled epochs over ``records``."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    out = []
+    for _ in range(steps):
+        while len(order) < size:
+            epoch = list(range(len(records)))
+            rng.shuffle(epoch)
+            order.extend(epoch)
+        out.append([records[i] for i in order[:size]])
+        order = order[size:]
+    return out
+
+
+def save_model(trainer: Trainer, base_path: str | Path, out: str | Path) -> Path:
+    """Write the trainer's weights as a Hugging Face checkpoint (with the base's tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = Path(out)
+    model = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model.load_state_dict(trainer.engine_weights())
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base_path).save_pretrained(out)
+    return out
