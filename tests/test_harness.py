@@ -131,6 +131,12 @@ def test_reward_rises_on_the_toy_corridor(tmp_path):
                          + sorted(f"{d}/{f}" for d in ("textworld", "alfworld", "swe")
                                   for f in os.listdir(os.path.join(ROOT, "configs", d))))
 def test_shipped_configs_validate(path):
+    if path == "demo_textworld.toml":  # the main job's config: the RL sections plus sft / evaluation
+        from harness.demo import load_demo_config
+
+        cfg = load_demo_config(os.path.join(ROOT, "configs", path))
+        assert cfg.compaction.strategy == "sliding_window" and cfg.inference.kv_dtype == "kv4rl"
+        return
     cfg = load_config(os.path.join(ROOT, "configs", path))
     assert cfg.compaction.strategy in path or path == "demo.toml"
 
