@@ -6,7 +6,7 @@ PYTHON ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NEEDS_SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),setup)
 
-.PHONY: setup test lint demo kv4-report bench clean textworld alfworld swe train setup-swe swe-data
+.PHONY: setup sglang-cpu serve test lint demo kv4-report bench clean textworld alfworld swe train setup-swe swe-data
 
 setup: $(STAMP)
 
@@ -17,8 +17,14 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --upgrade pip
 	$(VENV)/bin/python -m pip install torch==2.13.0
 	# fast-downward-textworld (ALFWorld) builds by calling a bare `python`: the venv must come first on PATH
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python -m pip install -e ".[dev,textworld,alfworld]"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python -m pip install -e ".[dev,textworld,alfworld,sglang-cpu]"
+	$(MAKE) sglang-cpu PYTHON=$(VENV)/bin/python
 	touch $(STAMP)
+
+# The real SGLang on a CPU box (tests): its wheel and compressed-tensors without dependencies (sglang pins a CUDA
+# torch), its pure-Python needs from the `sglang-cpu` extra. A GPU install is the normal `pip install -e .[sglang]`.
+sglang-cpu:
+	$(PYTHON) -m pip install --no-deps sglang==0.5.10.post1 compressed-tensors==0.20.1
 
 test: $(NEEDS_SETUP)
 	$(PYTHON) -m pytest -q tests
@@ -55,6 +61,12 @@ swe-data: $(NEEDS_SETUP)
 # the CPU-sized RL run of configs/demo.toml (toy corridor, tiny model)
 train: $(NEEDS_SETUP)
 	$(PYTHON) -m harness.run configs/demo.toml $(ARGS)
+
+# SGLang with kv-streams + kv4rl (GPU install: pip install -e .[sglang]):
+#   make serve MODEL=/path/to/model ARGS="--port 30000"
+MODEL ?=
+serve:
+	$(PYTHON) -m kvstreams_sglang.launch_server --model-path $(MODEL) --kv4rl --enable-kv-streams $(ARGS)
 
 bench: $(NEEDS_SETUP)
 	$(PYTHON) -m bench.decode_attention

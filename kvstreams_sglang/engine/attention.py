@@ -21,8 +21,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ..kernels import bf16_decode, kv4_decode, kv4_extend, kv4_store, plan_decode
-from ..kv4.reference import decode_reference, extend_reference, store_reference
+from ..kernels import bf16_decode, plan_decode
+from ..kv4.attend import kv4_attention_step
 from ..streams import FullPrecisionPool, KV4Pool, SlotTable
 from .batch import ForwardBatch, StepItem, build_full_precision_batch, build_kv4_batch
 
@@ -76,22 +76,10 @@ class KV4Backend:
         return fb
 
     def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
-        # q [N, Hq, D], k/v [N, Hkv, D] -> out [N, Hq, D]; decode stores first (a token sees
-        # its own quantised KV), extend attends to the new tokens in full precision, then stores
-        cache = self.pool.layers[layer]
-        if not self._triton(q.device):
-            if fb.mode == "decode":
-                store_reference(cache, k, v, fb.out_slots, fb.side_slots)
-                return decode_reference(q, cache, **fb.kv4, sm_scale=scaling)[0].to(q.dtype)
-            out = extend_reference(q, k, v, fb.qo_indptr, cache, **fb.kv4, sm_scale=scaling)
-            store_reference(cache, k, v, fb.out_slots, fb.side_slots)
-            return out.to(q.dtype)
-        if fb.mode == "decode":
-            kv4_store(cache, k, v, fb.out_slots, fb.side_slots)
-            return kv4_decode(q, cache, fb.decode_plan, sm_scale=scaling)
-        out = kv4_extend(q, k, v, fb.qo_indptr, cache, **fb.kv4, sm_scale=scaling)
-        kv4_store(cache, k, v, fb.out_slots, fb.side_slots)
-        return out
+        # q [N, Hq, D], k/v [N, Hkv, D] -> out [N, Hq, D]
+        return kv4_attention_step(self.pool.layers[layer], q, k, v, mode=fb.mode, qo_indptr=fb.qo_indptr,
+                                  out_slots=fb.out_slots, side_slots=fb.side_slots, kv4=fb.kv4, sm_scale=scaling,
+                                  use_triton=self._triton(q.device), decode_plan=fb.decode_plan)
 
 
 def kvstreams_attention(module, query, key, value, attention_mask, scaling=None, kv_batch=None, kv_backend=None,

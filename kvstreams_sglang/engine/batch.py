@@ -23,6 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from trainer_masks import PackedBatch, StreamRecord, flex_block_mask, pack
 from trainer_masks.logprobs import HF_ATTENTION, resolve_impl
 
+from ..kv4.regions import csr, new_side_slots, region_lists
 from ..streams import KV4Pool, KVStream, SlotTable
 
 
@@ -100,13 +101,6 @@ def _common(items: list[StepItem], mode, table: SlotTable, device) -> tuple[Forw
     return fb, r
 
 
-def _csr(select: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-major selection of ``values [B, L]`` where ``select`` -> (indptr [B+1], indices)."""
-    indptr = torch.zeros(select.shape[0] + 1, dtype=torch.int32, device=select.device)
-    indptr[1:] = torch.cumsum(select.sum(1), 0)
-    return indptr, values[select].to(torch.int32)
-
-
 def build_full_precision_batch(items: list[StepItem], mode, table: SlotTable, device) -> ForwardBatch:
     """Stream b's new token at position p sees every kept token of b at a position <= p."""
     fb, r = _common(items, mode, table, device)
@@ -118,7 +112,7 @@ def build_full_precision_batch(items: list[StepItem], mode, table: SlotTable, de
     fb.attn_mask = (r.valid_after[:, None, :] & (r.positions[:, None, :] <= q_pos[:, :, None]))[:, None]
     fb.q_gather = torch.where(q_valid, fb.qo_indptr[:-1].long()[:, None] + m, 0)
     fb.q_valid = q_valid
-    fb.kv_indptr, fb.kv_indices = _csr(r.valid_after, r.slots)
+    fb.kv_indptr, fb.kv_indices = csr(r.valid_after, r.slots)
     return fb
 
 
@@ -128,23 +122,11 @@ def build_kv4_batch(items: list[StepItem], mode, table: SlotTable, pool: KV4Pool
     new token first and attends to everything, itself included."""
     fb, r = _common(items, mode, table, device)
     sink, recent = pool.sink, pool.recent
-
-    def side_slot(rows, pos):
-        ring = sink + pos % recent if recent else torch.full_like(pos, -1)
-        slot = rows * (sink + recent) + torch.where(pos < sink, pos, ring)
-        return torch.where((pos < sink) | (recent > 0), slot, -1)
-
     end_after = r.computed_before + r.num_new  # [B]
     stream_of = torch.repeat_interleave(torch.arange(len(items), device=device), r.num_new)
-    p_new = fb.positions
-    keep8 = (p_new < sink) | (p_new >= end_after[stream_of] - recent)  # the last `recent` written this step
-    fb.side_slots = torch.where(keep8, side_slot(r.rows[stream_of], p_new), -1)
-
+    fb.side_slots = new_side_slots(r.rows[stream_of], fb.positions, end_after[stream_of], sink=sink, recent=recent)
     valid, end = (r.valid_after, end_after) if mode == "decode" else (r.valid_before, r.computed_before)
-    protected = valid & ((r.positions < sink) | (r.positions >= end[:, None] - recent))
-    kv_indptr, kv_indices = _csr(valid & ~protected, r.slots)
-    side_indptr, side_indices = _csr(protected, side_slot(r.rows[:, None], r.positions))
-    fb.kv4 = dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr, side_indices=side_indices)
+    fb.kv4 = region_lists(r.rows, r.slots, r.positions, valid, end, sink=sink, recent=recent)
     return fb
 
 
@@ -202,8 +184,5 @@ def build_replay_batch(streams: list[KVStream], device, *, impl="auto", pool=Non
     if isinstance(pool, KV4Pool):
         sink, recent = pool.sink, pool.recent
         pos, end, row = (torch.tensor(x, **as_long) for x in (positions, ends, stream_rows))
-        ring = sink + pos % recent if recent else torch.zeros_like(pos)
-        side = row * (sink + recent) + torch.where(pos < sink, pos, ring)
-        protected = (pos < sink) | ((pos >= end - recent) & (recent > 0))
-        batch.side_slots = torch.where(protected, side, -1)
+        batch.side_slots = new_side_slots(row, pos, end, sink=sink, recent=recent)
     return batch

@@ -23,3 +23,39 @@ def split_regions(length: int, *, sink: int, recent: int) -> tuple[torch.Tensor,
     pos = torch.arange(length)
     prot = protected_mask(pos, length, sink=sink, recent=recent)
     return pos[~prot], pos[prot]
+
+
+def side_slots_of(rows: torch.Tensor, positions: torch.Tensor, *, sink: int, recent: int) -> torch.Tensor:
+    """Vector form of ``cache.side_slot``: INT8 side slot of ``positions`` in sequence ``rows``
+    (broadcast), -1 where a position has none (``recent == 0`` and not a sink)."""
+    ring = sink + positions % recent if recent else torch.full_like(positions, -1)
+    slot = rows * (sink + recent) + torch.where(positions < sink, positions, ring)
+    return torch.where((positions < sink) | (recent > 0), slot, -1)
+
+
+def csr(select: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major selection of ``values [B, L]`` where ``select`` -> (indptr [B+1], indices int32)."""
+    indptr = torch.zeros(select.shape[0] + 1, dtype=torch.int32, device=select.device)
+    indptr[1:] = torch.cumsum(select.sum(1), 0)
+    return indptr, values[select].to(torch.int32)
+
+
+def region_lists(rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                 end: torch.Tensor, *, sink: int, recent: int) -> dict[str, torch.Tensor]:
+    """The per-sequence CSR lists the KV4 kernels read. Sequence ``b`` (row ``rows[b]``) holds
+    ``slots[b, :]`` at logical ``positions[b, :]`` where ``valid``; ``end[b]`` is its next
+    position. Returns ``kv_indptr/kv_indices`` (INT4 slots) and ``side_indptr/side_indices``
+    (INT8 side slots of the protected positions)."""
+    protected = valid & ((positions < sink) | (positions >= end[:, None] - recent))
+    kv_indptr, kv_indices = csr(valid & ~protected, slots)
+    side_indptr, side_indices = csr(protected, side_slots_of(rows[:, None], positions, sink=sink, recent=recent))
+    return dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr, side_indices=side_indices)
+
+
+def new_side_slots(rows: torch.Tensor, positions: torch.Tensor, end_after: torch.Tensor, *, sink: int,
+                   recent: int) -> torch.Tensor:
+    """Where newly computed tokens (``positions`` of sequences ``rows``, which end at
+    ``end_after`` after this step; all ``[N]``) write their INT8 copy, -1 = none: sinks and
+    the last ``recent`` positions written this step."""
+    keep8 = (positions < sink) | (positions >= end_after - recent)
+    return torch.where(keep8, side_slots_of(rows, positions, sink=sink, recent=recent), -1)

@@ -9,7 +9,7 @@ SGLang integration both use these.
 from .allocator import OutOfSlotsError, SlotAllocator
 from .pool import FullPrecisionPool, KV4Pool
 from .slot_table import SlotTable
-from .stream import EvictionError, KVStream, StreamTable
+from .stream import EvictionError, KVStream, StreamTable, validate_spans
 
 __all__ = ["EvictionError", "FullPrecisionPool", "KV4Pool", "KVStream", "OutOfSlotsError", "SlotAllocator",
-           "SlotTable", "StreamTable"]
+           "SlotTable", "StreamTable", "validate_spans"]

@@ -18,6 +18,38 @@ class EvictionError(ValueError):
     """An ``evict`` call that would be invalid; nothing was changed."""
 
 
+def validate_spans(spans, *, live_positions, num_computed: int, end: int, name: str) -> list[tuple[int, int]]:
+    """Eviction spans (``[start, end)`` logical positions) of a stream, sorted, or an
+    ``EvictionError`` saying what is wrong: every position must be computed
+    (``< num_computed``) and still live (in ``live_positions``), spans must not overlap.
+    Shared by the built-in engine and the SGLang session eviction."""
+    try:
+        spans = sorted((int(a), int(b)) for a, b in spans)
+    except (TypeError, ValueError) as e:
+        raise EvictionError(f"{name}: spans must be (start, end) pairs, got {spans!r}") from e
+    prev_end = -1
+    for start, stop in spans:
+        if start >= stop:
+            raise EvictionError(f"{name}: empty or reversed span [{start}, {stop})")
+        if start < 0 or stop > end:
+            raise EvictionError(f"{name}: span [{start}, {stop}) is outside the stream [0, {end})")
+        if stop > num_computed:
+            raise EvictionError(
+                f"{name}: span [{start}, {stop}) reaches token {num_computed}, which is pending "
+                f"(being generated or not yet prefilled); only computed tokens [0, {num_computed}) can "
+                f"be evicted")
+        if start < prev_end:
+            raise EvictionError(f"{name}: spans overlap at [{start}, {prev_end})")
+        prev_end = stop
+    live = set(live_positions)
+    for start, stop in spans:
+        missing = [p for p in range(start, stop) if p not in live]
+        if missing:
+            raise EvictionError(f"{name}: positions {missing[:5]}{'...' if len(missing) > 5 else ''} "
+                                f"in span [{start}, {stop}) were already evicted")
+    return spans
+
+
 @dataclass
 class KVStream:
     sid: int
@@ -92,31 +124,8 @@ class KVStream:
 
     def validate_evict(self, spans) -> list[tuple[int, int]]:
         """Check ``spans`` (``[start, end)`` logical positions) without changing anything."""
-        try:
-            spans = sorted((int(a), int(b)) for a, b in spans)
-        except (TypeError, ValueError) as e:
-            raise EvictionError(f"stream {self.sid}: spans must be (start, end) pairs, got {spans!r}") from e
-        prev_end = -1
-        for start, end in spans:
-            if start >= end:
-                raise EvictionError(f"stream {self.sid}: empty or reversed span [{start}, {end})")
-            if start < 0 or end > self.end:
-                raise EvictionError(f"stream {self.sid}: span [{start}, {end}) is outside the stream [0, {self.end})")
-            if end > self.num_computed:
-                raise EvictionError(
-                    f"stream {self.sid}: span [{start}, {end}) reaches token {self.num_computed}, which is pending "
-                    f"(being generated or not yet prefilled); only computed tokens [0, {self.num_computed}) can "
-                    f"be evicted")
-            if start < prev_end:
-                raise EvictionError(f"stream {self.sid}: spans overlap at [{start}, {prev_end})")
-            prev_end = end
-        live = set(self.positions)
-        for start, end in spans:
-            missing = [p for p in range(start, end) if p not in live]
-            if missing:
-                raise EvictionError(f"stream {self.sid}: positions {missing[:5]}{'...' if len(missing) > 5 else ''} "
-                                    f"in span [{start}, {end}) were already evicted")
-        return spans
+        return validate_spans(spans, live_positions=self.positions, num_computed=self.num_computed, end=self.end,
+                              name=f"stream {self.sid}")
 
     def evict(self, spans) -> list[int]:
         """Drop the KV of ``spans``; returns the freed slots (the caller frees them)."""

@@ -1,0 +1,41 @@
+"""One attention layer's KV4-RL step, shared by the built-in engine and the SGLang backend.
+
+Decode stores the new token first (a token sees its own quantised KV) and attends to
+everything; extend attends to the prefix as cached *before* the step plus the new tokens
+in full precision, then stores them. ``use_triton`` picks the kernels (GPU) or their torch
+references (CPU: Triton's interpreter runs a kernel program by program, thousands of times
+slower; the kernels stay tested under it against the same references).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ..kernels import kv4_decode, kv4_extend, kv4_store
+from .cache import KV4LayerCache
+from .reference import decode_reference, extend_reference, store_reference
+
+
+def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                       mode: Literal["extend", "decode"], qo_indptr: torch.Tensor, out_slots: torch.Tensor,
+                       side_slots: torch.Tensor, kv4: dict, sm_scale: float, use_triton: bool,
+                       decode_plan=None) -> torch.Tensor:
+    """``q [N, Hq, D]``, ``k/v [N, Hkv, D]`` of the step's new tokens -> ``[N, Hq, D]``.
+
+    ``kv4``: the region lists (``kv4.regions.region_lists``); ``decode_plan``: the kernels'
+    split plan (``kernels.plan_decode``), needed for a Triton decode."""
+    if not use_triton:
+        if mode == "decode":
+            store_reference(cache, k, v, out_slots, side_slots)
+            return decode_reference(q, cache, **kv4, sm_scale=sm_scale)[0].to(q.dtype)
+        out = extend_reference(q, k, v, qo_indptr, cache, **kv4, sm_scale=sm_scale)
+        store_reference(cache, k, v, out_slots, side_slots)
+        return out.to(q.dtype)
+    if mode == "decode":
+        kv4_store(cache, k, v, out_slots, side_slots)
+        return kv4_decode(q, cache, decode_plan, sm_scale=sm_scale)
+    out = kv4_extend(q, k, v, qo_indptr, cache, **kv4, sm_scale=sm_scale)
+    kv4_store(cache, k, v, out_slots, side_slots)
+    return out

@@ -1,0 +1,212 @@
+"""Engine clients over SGLang streaming sessions: one KV stream = one session.
+
+The client keeps what the trainer needs (``streams.KVStream``: every token with its source,
+sampler logprob and policy version, and the evictions) and sends the server only what it
+does not have yet: each turn's request carries the tokens appended since the last one; the
+server keeps the session's KV row, so nothing is re-prefilled. Spans are validated here
+with the engine's rule before they travel, and again by the server.
+
+- ``SGLangClient``: the harness's async ``EngineClient`` over the HTTP server
+  (``python -m kvstreams_sglang.launch_server ... --enable-kv-streams``).
+- ``EngineStreams``: the same verbs, synchronous, over an in-process ``KVStreamsEngine``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import dataclass
+
+from ..engine.engine import Generation
+from ..engine.sampling import SamplingParams
+from ..streams import KVStream
+
+SESSION_CAPACITY = 1 << 30  # SGLang's per-session string capacity; streams are bounded by the KV pool instead
+
+
+def sglang_sampling_params(params: SamplingParams) -> dict:
+    """Our sampling parameters in SGLang's request format (EOS stops only when listed, as in the built-in engine)."""
+    out = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
+               top_k=params.top_k if params.top_k else -1, ignore_eos=True)
+    if params.stop_token_ids:
+        out["stop_token_ids"] = list(params.stop_token_ids)
+    if params.seed is not None:
+        out["sampling_seed"] = params.seed
+    return out
+
+
+@dataclass
+class _Session:
+    session_id: str
+    stream: KVStream
+    sent: int = 0  # stream tokens the server holds (sent or sampled there)
+
+    def request_ids(self) -> list[int]:
+        ids = self.stream.token_ids[self.sent:]
+        if not ids:
+            raise ValueError(f"stream {self.stream.sid}: nothing to send (generate needs a pending token)")
+        return ids
+
+    def record(self, output: dict, params: SamplingParams, version: int) -> Generation:
+        """Book one turn's server response; returns it as a ``Generation``."""
+        ids = list(output["output_ids"])
+        lps = [float(lp) for lp, *_ in output["meta_info"]["output_token_logprobs"]]
+        if len(lps) != len(ids):
+            raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
+        st = self.stream
+        for tok, lp in zip(ids, lps, strict=True):
+            st.add_sampled(tok, lp, version)
+        self.sent = len(st.token_ids)
+        # the server computed everything it holds but the last sampled token
+        st.commit([-1] * (self.sent - 1 - st.num_computed))
+        stop = set(params.stop_token_ids)
+        reason = "stop" if ids and ids[-1] in stop else "length"
+        return Generation(ids, lps, reason)
+
+
+class _Streams:
+    """Bookkeeping shared by both clients: stream ids -> sessions."""
+
+    def __init__(self):
+        self._sessions: dict[int, _Session] = {}
+        self._sids = itertools.count()
+        self.policy_version = 0
+
+    def _new(self, session_id: str, token_ids: list[int]) -> int:
+        if not token_ids:
+            raise ValueError("open needs at least one token")
+        sid = next(self._sids)
+        st = KVStream(sid=sid, row=-1)
+        st.add(list(token_ids), "prompt")
+        self._sessions[sid] = _Session(session_id, st)
+        return sid
+
+    def _get(self, sid: int) -> _Session:
+        try:
+            return self._sessions[sid]
+        except KeyError:
+            raise KeyError(f"no open stream {sid}") from None
+
+    def _evicted(self, sid: int, spans) -> int:
+        return len(self._get(sid).stream.evict(spans))
+
+    def live_tokens_of(self, sid: int) -> int:
+        return self._get(sid).stream.num_live
+
+    def stream_end(self, sid: int) -> int:
+        return self._get(sid).stream.end
+
+    def _record(self, sid: int, kv_dtype: str, **meta):
+        return self._get(sid).stream.to_record(kv_dtype=kv_dtype, engine="sglang", **meta)
+
+
+class EngineStreams(_Streams):
+    """Streams over an in-process ``KVStreamsEngine`` (synchronous)."""
+
+    def __init__(self, engine):
+        super().__init__()
+        self.engine = engine
+        self.kv_dtype = "kv4rl" if engine.server_args.kv4rl else "bf16"
+
+    def open_stream(self, token_ids: list[int]) -> int:
+        session_id = self.engine.open_session(capacity_of_str_len=SESSION_CAPACITY, streaming=True)
+        return self._new(session_id, token_ids)
+
+    def append(self, sid: int, token_ids: list[int], *, source: str = "env") -> None:
+        self._get(sid).stream.add(list(token_ids), source)
+
+    def generate(self, sid: int, params: SamplingParams) -> tuple[Generation, dict]:
+        """One turn; also returns SGLang's ``meta_info`` (``cached_tokens``, ``prompt_tokens``)."""
+        s = self._get(sid)
+        out = self.engine.generate(input_ids=s.request_ids(), sampling_params=sglang_sampling_params(params),
+                                   return_logprob=True, session_params={"id": s.session_id})
+        return s.record(out, params, self.policy_version), out["meta_info"]
+
+    def evict(self, sid: int, spans) -> int:
+        s = self._get(sid)
+        s.stream.validate_evict(spans)
+        self.engine.evict(s.session_id, spans)
+        return self._evicted(sid, spans)
+
+    def stream_record(self, sid: int, **meta):
+        return self._record(sid, self.kv_dtype, **meta)
+
+    def close(self, sid: int) -> None:
+        self.engine.close_session(self._sessions.pop(sid).session_id)
+
+
+class SGLangClient(_Streams):
+    """``envs.client.EngineClient`` over an SGLang HTTP server launched with ``--enable-kv-streams``."""
+
+    def __init__(self, base_url: str, *, kv_dtype: str = "bf16", timeout_s: float = 600.0):
+        super().__init__()
+        self.base_url = base_url.rstrip("/")
+        self.kv_dtype = kv_dtype
+        self.timeout_s = timeout_s
+        self._http = None
+
+    async def _post(self, route: str, payload: dict):
+        import aiohttp
+
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        async with self._http.post(self.base_url + route, json=payload) as resp:
+            text = await resp.text()
+            body = json.loads(text) if text else None
+            if resp.status != 200:
+                raise RuntimeError(f"SGLang {route} failed ({resp.status}): {body}")
+            return body
+
+    async def aclose(self) -> None:
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def open(self, token_ids):
+        session_id = await self._post("/open_session", dict(capacity_of_str_len=SESSION_CAPACITY, streaming=True))
+        if not session_id:
+            raise RuntimeError("SGLang refused to open a session (is --enable-kv-streams on?)")
+        return self._new(session_id, token_ids)
+
+    async def append(self, sid, token_ids, source="env"):
+        self._get(sid).stream.add(list(token_ids), source)
+
+    async def generate(self, sid, params):
+        s = self._get(sid)
+        out = await self._post("/generate", dict(input_ids=s.request_ids(),
+                                                 sampling_params=sglang_sampling_params(params),
+                                                 return_logprob=True, session_params={"id": s.session_id}))
+        if out["meta_info"]["finish_reason"] and out["meta_info"]["finish_reason"].get("type") == "abort":
+            raise RuntimeError(f"SGLang aborted the turn: {out['meta_info']['finish_reason']}")
+        return s.record(out, params, self.policy_version)
+
+    async def evict(self, sid, spans):
+        s = self._get(sid)
+        s.stream.validate_evict(spans)
+        await self._post("/kvstreams/evict", dict(session_id=s.session_id, spans=[list(x) for x in spans]))
+        return self._evicted(sid, spans)
+
+    async def prefill(self, sid):
+        raise NotImplementedError("SGLang sessions prefill with the next turn's request; prefill-only is not used")
+
+    async def live_tokens(self, sid):
+        return self.live_tokens_of(sid)
+
+    async def reprefill_streams(self, sids=None):
+        raise NotImplementedError("reprefill_on_update needs the built-in engine; SGLang keeps the sessions' KV")
+
+    async def close(self, sid, **meta):
+        record = self._record(sid, self.kv_dtype, **meta)
+        await self._post("/close_session", dict(session_id=self._sessions.pop(sid).session_id))
+        return record
+
+    async def update_weights_from_disk(self, model_path: str, version: int) -> None:
+        """Load new weights without flushing: every session keeps its KV."""
+        out = await self._post("/update_weights_from_disk", dict(model_path=model_path, flush_cache=False,
+                                                                  weight_version=str(version)))
+        if not out.get("success", False):
+            raise RuntimeError(f"SGLang weight update failed: {out}")
+        self.policy_version = version
+
+    async def pool_info(self) -> dict:
+        return await self._post("/kvstreams/pool_info", {})

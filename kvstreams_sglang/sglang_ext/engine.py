@@ -1,0 +1,57 @@
+"""``sglang.Engine`` with the kv-streams flags, session eviction and cache-keeping weight updates.
+
+Offline (in-process tokenizer manager, spawned scheduler): the same process layout as the
+HTTP server, for tests and for harnesses that embed the engine. Create it under
+``if __name__ == "__main__":`` (SGLang spawns its subprocesses).
+"""
+
+from __future__ import annotations
+
+import json
+
+import zmq
+from sglang.srt.entrypoints.engine import Engine
+from sglang.srt.managers.io_struct import RpcReqInput, UpdateWeightFromDiskReqInput
+
+from .scheduler import run_scheduler_process
+from .server_args import KVStreamsServerArgs
+
+
+class KVStreamsRPCError(RuntimeError):
+    """The scheduler refused a kvstreams call (the message says why); nothing was changed."""
+
+
+def rpc_result(output) -> dict:
+    if not output.success:
+        raise KVStreamsRPCError(output.message)
+    return json.loads(output.message) if output.message else {}
+
+
+class KVStreamsEngine(Engine):
+    server_args_class = KVStreamsServerArgs
+    run_scheduler_process_func = staticmethod(run_scheduler_process)
+
+    def _rpc(self, method: str, **parameters) -> dict:
+        self.send_to_rpc.send_pyobj(RpcReqInput(method=method, parameters=parameters))
+        return rpc_result(self.send_to_rpc.recv_pyobj(zmq.BLOCKY))
+
+    def evict(self, session_id: str, spans) -> dict:
+        """Evict ``spans`` (``[start, end)`` stream positions) of a streaming session in place.
+        Returns the session's state after (``live_tokens``, ``evicted_tokens``, ``evicted``)."""
+        return self._rpc("kvstreams_evict", session_id=session_id, spans=[list(s) for s in spans])
+
+    def session_info(self, session_id: str) -> dict:
+        return self._rpc("kvstreams_session_info", session_id=session_id)
+
+    def pool_info(self) -> dict:
+        """Free and total token slots of the KV pool, the pool class, open sessions."""
+        return self._rpc("kvstreams_pool_info")
+
+    def update_weights_keep_cache(self, model_path: str, *, weight_version: str | None = None) -> dict:
+        """Load weights from disk without flushing the cache: sessions keep their KV."""
+        obj = UpdateWeightFromDiskReqInput(model_path=model_path, flush_cache=False, weight_version=weight_version)
+        success, message, *_ = self.loop.run_until_complete(
+            self.tokenizer_manager.update_weights_from_disk(obj, None))
+        if not success:
+            raise KVStreamsRPCError(message)
+        return dict(success=success, message=message)
