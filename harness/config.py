@@ -113,6 +113,9 @@ class Config(Section):
         if i.kv_dtype == "kv4rl" and c.budget is not None and i.sink + i.recent > c.budget:
             raise ValueError(f"inference.sink + inference.recent ({i.sink} + {i.recent}) exceeds compaction.budget "
                              f"({c.budget}): the INT8 side cache would hold the whole live context")
+        if i.engine == "sglang" and self.orchestrator.reprefill_on_update:
+            raise ValueError("orchestrator.reprefill_on_update needs inference.engine = 'builtin' (SGLang sessions "
+                             "keep their KV across weight updates)")
         if c.budget is not None and c.budget > self.orchestrator.max_tokens:
             raise ValueError(f"compaction.budget ({c.budget}) exceeds orchestrator.max_tokens "
                              f"({self.orchestrator.max_tokens})")

@@ -24,12 +24,12 @@ import torch
 import torch.distributed as dist
 
 from envs.chat import ChatRenderer
-from envs.client import BuiltinClient
 from envs.registry import make_taskset
 
 from . import checkpoint
 from .config import Config, ConfigError, load_config
 from .distributed import TrainerGroup, follow, on_device, trainer_device
+from .inference import make_inference
 from .loss import group_advantages
 from .metrics import MetricsLog
 from .orchestrator import Group, Orchestrator
@@ -114,11 +114,11 @@ def build_trainer(cfg: Config, *, resume: bool) -> tuple[Trainer, str, dict | No
     return trainer, model_path, state
 
 
-async def sync_weights(engine, trainer: TrainerGroup, orch: Orchestrator, version: int, reprefill: bool) -> int:
+async def sync_weights(inference, trainer: TrainerGroup, orch: Orchestrator, version: int, reprefill: bool) -> int:
     """Push the trainer's weights to the engine; the KV of running streams is kept, unless
     ``reprefill``: then carried episodes' KV is recomputed under the new policy (KV4-RL's
     choice). Returns the tokens recomputed."""
-    engine.update_weights(trainer.engine_weights(), version=version)
+    await inference.update_weights(trainer.engine_weights(), version)
     return await orch.client.reprefill_streams() if reprefill else 0
 
 
@@ -127,22 +127,17 @@ async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> lis
     from rich.progress import Progress
     from transformers import AutoTokenizer
 
-    from kvstreams_sglang.engine import Engine
-
-    if cfg.inference.engine != "builtin":
-        raise NotImplementedError("inference.engine = 'sglang' is served by kvstreams_sglang.sglang (separate issue)")
     out = Path(cfg.run.output_dir)
     trainer_rank0, model_path, state = build_trainer(cfg, resume=resume)
     trainer = TrainerGroup(trainer_rank0)
     device = resolve_device(cfg.inference.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this thread drives the engine
-    i = cfg.inference
-    engine = Engine(model_path, kv_dtype=i.kv_dtype, device=device, dtype=torch.float32 if device.type == "cpu"
-                    else None, max_tokens=i.max_tokens, max_streams=i.max_streams, sink=i.sink, recent=i.recent)
+    inference = make_inference(cfg.inference, model_path, device, out)
+    await inference.start()
     taskset = make_taskset(cfg.environment.name, cfg.environment.options)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), taskset.make_env().system_prompt)
-    orch = Orchestrator(cfg.orchestrator, cfg.compaction, BuiltinClient(engine), taskset, renderer,
+    orch = Orchestrator(cfg.orchestrator, cfg.compaction, inference.client, taskset, renderer,
                         split=cfg.environment.train_split, seed=cfg.run.seed)
     metrics = MetricsLog(out / "metrics.jsonl")
     start = 0
@@ -151,7 +146,7 @@ async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> lis
         checkpoint.set_rng_state(state["rng"])
         start = state["step"]
         metrics.truncate_after(start - 1)
-    engine.update_weights(trainer.engine_weights(), version=start)
+    await inference.update_weights(trainer.engine_weights(), start)
     with Progress() as progress:
         bar = progress.add_task("RL steps", total=cfg.run.steps, completed=start)
         for step in range(start, cfg.run.steps):
@@ -165,10 +160,11 @@ async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> lis
                     samples.extend(TrainSample(rec, adv) for rec in r.records)
             train = await asyncio.to_thread(trainer.train_step, samples) if overlap else trainer.train_step(samples)
             t2 = time.perf_counter()
-            recomputed = await sync_weights(engine, trainer, orch, step + 1, cfg.orchestrator.reprefill_on_update)
+            recomputed = await sync_weights(inference, trainer, orch, step + 1, cfg.orchestrator.reprefill_on_update)
             t3 = time.perf_counter()
             row = step_metrics(step, groups, train, {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2},
                                orch)
+            row.update(inference.metrics())
             row["tokens_reprefilled_on_update"] = recomputed
             row["tokens_reprefilled"] += recomputed
             if device.type == "cuda":
@@ -180,6 +176,7 @@ async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> lis
                 checkpoint.save(out / "checkpoints", step + 1, {"trainer": trainer.checkpoint_state(),
                                                                "orchestrator": orch.state_dict()})
     await orch.drain()
+    await inference.close()
     trainer.close()
     metrics.plot(out / "metrics.png")
     return metrics.rows()

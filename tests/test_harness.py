@@ -182,25 +182,25 @@ def test_reprefill_on_update_recomputes_carried_episodes(tmp_path):
     from transformers import AutoTokenizer
 
     from envs.chat import ChatRenderer
-    from envs.client import BuiltinClient
     from envs.registry import make_taskset
     from harness.distributed import TrainerGroup
+    from harness.inference import BuiltinInference
     from harness.orchestrator import Orchestrator
     from harness.run import build_trainer, sync_weights
-    from kvstreams_sglang.engine import Engine
 
     cfg = small(tmp_path, "carried", "--orchestrator.max_turns", "12", "--environment.options.rooms", "10")
 
     async def scenario():
         trainer, path, _ = build_trainer(cfg, resume=False)
-        engine = Engine(path, dtype=torch.float32)
+        inference = BuiltinInference(cfg.inference, path, torch.device("cpu"))
+        engine = inference.engine
         tasks = make_taskset(cfg.environment.name, cfg.environment.options)
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(path), tasks.make_env().system_prompt)
-        orch = Orchestrator(cfg.orchestrator, cfg.compaction, BuiltinClient(engine), tasks, renderer)
+        orch = Orchestrator(cfg.orchestrator, cfg.compaction, inference.client, tasks, renderer)
         orch.fill()
         while sum(st.num_computed > 0 for st in engine.table.streams.values()) < 2:
             await asyncio.sleep(0.01)
-        counts = [await sync_weights(engine, TrainerGroup(trainer), orch, v, reprefill=v == 2) for v in (1, 2)]
+        counts = [await sync_weights(inference, TrainerGroup(trainer), orch, v, reprefill=v == 2) for v in (1, 2)]
         await orch.drain()
         return counts
 

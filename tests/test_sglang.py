@@ -202,3 +202,71 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "ACCEPTED" not in out, out
     assert "--page-size must be 1" in out and "drop --attention-backend" in out and "--kv-cache-dtype" in out
     assert "ok kv4rl 1 True True True 256" in out
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise AssertionError(f"SGLang server exited ({server.returncode}):\n{log.read_text()[-6000:]}")
+        try:
+            with urllib.request.urlopen(url + "/get_model_info", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"SGLang server not ready after {timeout_s}s:\n{log.read_text()[-6000:]}")
+
+
+def test_harness_trains_textworld_on_an_sglang_server(tiny_model_path, tmp_path):
+    """Three trainer steps on real TextWorld games against a kv4rl + kv-streams SGLang server
+    started here: weights go over with flush_cache=False and episodes in flight keep their KV."""
+    import asyncio
+
+    from harness.config import load_config
+    from harness.run import run
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with open(log, "w") as f:
+        server = subprocess.Popen(
+            [sys.executable, "-m", "kvstreams_sglang.launch_server", "--model-path", str(tiny_model_path),
+             "--device", "cpu", "--dtype", "float32", "--kv4rl", "--enable-kv-streams", "--sampling-backend",
+             "pytorch", "--grammar-backend", "none", "--max-total-tokens", "16384", "--max-running-requests", "16",
+             "--port", str(port), "--skip-server-warmup", "--log-level", "warning"],
+            env=sglang_env(), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    try:
+        wait_ready(url, server, log)
+        cfg = load_config(str(ROOT / "configs/textworld/sliding_window.toml"), [
+            "--run.output_dir", str(tmp_path / "run"), "--run.steps", "3", "--model.path", str(tiny_model_path),
+            "--inference.engine", "sglang", "--inference.url", url, "--inference.kv_dtype", "kv4rl",
+            "--compaction.max_turns", "2", "--compaction.budget", "4096", "--orchestrator.group_size", "2",
+            "--orchestrator.groups_per_step", "1", "--orchestrator.oversubscription", "4",
+            "--orchestrator.max_turns", "8", "--orchestrator.max_tokens",
+            "4096", "--orchestrator.max_new_tokens", "6", "--orchestrator.env_in_thread", "false",
+            "--environment.options", '{presets = ["short"], n_train = 4, n_eval = 0, max_steps = 6}',
+            "--trainer.lr", "1e-3"])
+        rows = asyncio.run(run(cfg))
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    last = rows[-1]
+    print({k: v for k, v in last.items() if k.startswith("sglang_")}, "compactions",
+          sum(r["compactions"] for r in rows))
+    assert sum(r["compactions"] for r in rows) > 0 and sum(r["tokens_reprefilled"] for r in rows) == 0
+    assert last["sglang_turns"] > 0
+    assert last["sglang_turns_across_updates"] > 0  # episodes ran across weight updates...
+    assert last["sglang_cached_tokens_lost"] == 0  # ...and the server still had all their kept KV

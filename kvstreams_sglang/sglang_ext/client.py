@@ -39,6 +39,7 @@ def sglang_sampling_params(params: SamplingParams) -> dict:
 class _Session:
     session_id: str
     stream: KVStream
+    opened_version: int = 0
     sent: int = 0  # stream tokens the server holds (sent or sampled there)
 
     def request_ids(self) -> list[int]:
@@ -46,6 +47,11 @@ class _Session:
         if not ids:
             raise ValueError(f"stream {self.stream.sid}: nothing to send (generate needs a pending token)")
         return ids
+
+    def record_prefill(self) -> None:
+        """Book a prefill-only turn (``max_new_tokens=0``): the server computed everything it holds."""
+        self.sent = len(self.stream.token_ids)
+        self.stream.commit([-1] * (self.sent - self.stream.num_computed))
 
     def record(self, output: dict, params: SamplingParams, version: int) -> Generation:
         """Book one turn's server response; returns it as a ``Generation``."""
@@ -65,12 +71,22 @@ class _Session:
 
 
 class _Streams:
-    """Bookkeeping shared by both clients: stream ids -> sessions."""
+    """Bookkeeping shared by both clients: stream ids -> sessions, and what the server reused.
+
+    ``stats``: ``turns``; ``turns_across_updates`` (turns of streams opened under an older
+    policy); ``cached_tokens_lost``: kept tokens the server did not find cached when a turn
+    arrived (it would have re-prefilled them; 0 when sessions survive evictions and updates)."""
 
     def __init__(self):
         self._sessions: dict[int, _Session] = {}
         self._sids = itertools.count()
         self.policy_version = 0
+        self.stats = dict(turns=0, turns_across_updates=0, cached_tokens_lost=0)
+
+    def _count_turn(self, s: _Session, meta: dict) -> None:
+        self.stats["turns"] += 1
+        self.stats["turns_across_updates"] += s.opened_version < self.policy_version
+        self.stats["cached_tokens_lost"] += max(0, s.stream.num_live - int(meta.get("cached_tokens", 0)))
 
     def _new(self, session_id: str, token_ids: list[int]) -> int:
         if not token_ids:
@@ -78,7 +94,7 @@ class _Streams:
         sid = next(self._sids)
         st = KVStream(sid=sid, row=-1)
         st.add(list(token_ids), "prompt")
-        self._sessions[sid] = _Session(session_id, st)
+        self._sessions[sid] = _Session(session_id, st, opened_version=self.policy_version)
         return sid
 
     def _get(self, sid: int) -> _Session:
@@ -120,6 +136,7 @@ class EngineStreams(_Streams):
         s = self._get(sid)
         out = self.engine.generate(input_ids=s.request_ids(), sampling_params=sglang_sampling_params(params),
                                    return_logprob=True, session_params={"id": s.session_id})
+        self._count_turn(s, out["meta_info"])
         return s.record(out, params, self.policy_version), out["meta_info"]
 
     def evict(self, sid: int, spans) -> int:
@@ -149,7 +166,10 @@ class SGLangClient(_Streams):
         import aiohttp
 
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            # a connection per request: a pooled one goes stale while the trainer holds the event loop
+            # longer than the server's keep-alive, and a request sent on it is lost
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                                               connector=aiohttp.TCPConnector(force_close=True, limit=0))
         async with self._http.post(self.base_url + route, json=payload) as resp:
             text = await resp.text()
             body = json.loads(text) if text else None
@@ -178,6 +198,7 @@ class SGLangClient(_Streams):
                                                  return_logprob=True, session_params={"id": s.session_id}))
         if out["meta_info"]["finish_reason"] and out["meta_info"]["finish_reason"].get("type") == "abort":
             raise RuntimeError(f"SGLang aborted the turn: {out['meta_info']['finish_reason']}")
+        self._count_turn(s, out["meta_info"])
         return s.record(out, params, self.policy_version)
 
     async def evict(self, sid, spans):
@@ -187,7 +208,12 @@ class SGLangClient(_Streams):
         return self._evicted(sid, spans)
 
     async def prefill(self, sid):
-        raise NotImplementedError("SGLang sessions prefill with the next turn's request; prefill-only is not used")
+        s = self._get(sid)
+        if len(s.stream.token_ids) == s.stream.num_computed:
+            return
+        await self._post("/generate", dict(input_ids=s.request_ids(), sampling_params=dict(max_new_tokens=0),
+                                           session_params={"id": s.session_id}))
+        s.record_prefill()
 
     async def live_tokens(self, sid):
         return self.live_tokens_of(sid)

@@ -31,6 +31,12 @@ def position_offset(req) -> int:
     return getattr(session, OFFSET_ATTR, 0) if session is not None else 0
 
 
+def session_tokens(req) -> list[int]:
+    """The session's token list as its next turn will see it (``Session.create_req``): a
+    prefill-only turn (``max_new_tokens=0``) samples one token that is not part of it."""
+    return list(req.origin_input_ids) + list(req.output_ids[:req.sampling_params.max_new_tokens])
+
+
 def _session_state(scheduler, session_id: str):
     session = scheduler.session_controller.get(session_id)
     if session is None:
@@ -64,7 +70,7 @@ def session_info(scheduler, session_id: str) -> dict:
     n = slot.kv_committed_len
     row = scheduler.tree_cache.req_to_token_pool.req_to_token[slot.req_pool_idx, :n]
     return dict(session_id=session_id, live_tokens=n, evicted_tokens=offset,
-                stream_length=len(req.origin_input_ids) + len(req.output_ids) + offset,
+                stream_length=len(session_tokens(req)) + offset,
                 req_pool_idx=slot.req_pool_idx, slots=row.tolist(), positions=live_positions(session, n))
 
 
@@ -74,7 +80,7 @@ def evict_session_spans(scheduler, session_id: str, spans) -> dict:
     n = slot.kv_committed_len
     offset = getattr(session, OFFSET_ATTR, 0)
     positions = live_positions(session, n)
-    tokens = list(req.origin_input_ids) + list(req.output_ids)
+    tokens = session_tokens(req)
     spans = validate_spans(spans, live_positions=positions, num_computed=n + offset, end=len(tokens) + offset,
                            name=f"session {session_id!r}")
     dead = set()

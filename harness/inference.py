@@ -1,0 +1,100 @@
+"""The inference role: the built-in engine in-process, or an SGLang server over HTTP.
+
+Both give the orchestrator the same ``EngineClient`` and take the trainer's weights without
+touching any stream's KV: the built-in engine swaps tensors in place; SGLang loads them from
+disk with ``flush_cache=False`` (its sessions keep their KV rows). The weights travel as one
+safetensors file written atomically under the run directory, the last two versions kept.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from envs.client import BuiltinClient
+
+from .config import InferenceConfig
+
+
+class BuiltinInference:
+    def __init__(self, cfg: InferenceConfig, model_path: str, device: torch.device):
+        from kvstreams_sglang.engine import Engine
+
+        self.engine = Engine(model_path, kv_dtype=cfg.kv_dtype, device=device,
+                             dtype=torch.float32 if device.type == "cpu" else None, max_tokens=cfg.max_tokens,
+                             max_streams=cfg.max_streams, sink=cfg.sink, recent=cfg.recent)
+        self.client = BuiltinClient(self.engine)
+
+    async def start(self) -> None:
+        pass
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.engine.update_weights(state_dict, version=version)
+
+    def metrics(self) -> dict:
+        return {}
+
+    async def close(self) -> None:
+        pass
+
+
+class SGLangInference:
+    """An SGLang server launched with ``--enable-kv-streams`` (and ``--kv4rl`` iff
+    ``inference.kv_dtype = "kv4rl"``) on the same model as the trainer."""
+
+    def __init__(self, cfg: InferenceConfig, model_path: str, out: Path):
+        from kvstreams_sglang.sglang_ext.client import SGLangClient
+
+        self.cfg, self.model_path = cfg, Path(model_path)
+        self.client = SGLangClient(cfg.url, kv_dtype=cfg.kv_dtype)
+        self.weights_dir = out / "weights"
+
+    async def start(self) -> None:
+        info = await self.client.pool_info()
+        kv4 = info["pool"] == "KV4TokenToKVPool"
+        if kv4 != (self.cfg.kv_dtype == "kv4rl"):
+            raise RuntimeError(f"inference.kv_dtype = {self.cfg.kv_dtype!r} but the SGLang server at {self.cfg.url} "
+                               f"runs {info['pool']} (launch it {'with' if not kv4 else 'without'} --kv4rl)")
+
+    def _write(self, state_dict: dict[str, torch.Tensor], version: int) -> Path:
+        from safetensors.torch import save_file
+
+        target = self.weights_dir / f"v{version:06d}"
+        tmp = self.weights_dir / f".v{version:06d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        for name in ("config.json", "generation_config.json"):
+            if (self.model_path / name).exists():
+                shutil.copy(self.model_path / name, tmp / name)
+        weights, seen = {}, set()
+        for k, v in state_dict.items():  # tied weights (lm_head = embeddings) are written once, as HF does
+            if v.data_ptr() in seen:
+                continue
+            seen.add(v.data_ptr())
+            weights[k] = v.detach().to("cpu").contiguous()
+        save_file(weights, tmp / "model.safetensors")
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(tmp, target)
+        for old in sorted(self.weights_dir.glob("v*"))[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        return target
+
+    async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        await self.client.update_weights_from_disk(str(self._write(state_dict, version)), version)
+
+    def metrics(self) -> dict:
+        """Cumulative: turns served, turns of episodes carried across weight updates, and kept
+        tokens the server had lost (re-prefilled) when a turn arrived."""
+        return {f"sglang_{k}": v for k, v in self.client.stats.items()}
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+def make_inference(cfg: InferenceConfig, model_path: str, device: torch.device, out: Path):
+    if cfg.engine == "sglang":
+        return SGLangInference(cfg, model_path, out)
+    return BuiltinInference(cfg, model_path, device)
