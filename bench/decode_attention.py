@@ -75,7 +75,8 @@ def build_bf16_case(lengths, hkv, d, device, seed=1):
     indices = torch.randperm(total, device=device, generator=g).to(torch.int32)
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device, dtype=torch.int32)
     empty = torch.zeros_like(indptr)
-    plan = plan_decode(indptr, indices, empty, empty[:0], num_kv_heads=hkv, block_n=64, num_stages=2)
+    plan = plan_decode(indptr, indices, empty, empty[:0], num_kv_heads=hkv, block_n=64, num_stages=2,
+                       target_programs=1024, min_chunk=64)
     return k, v, plan, indptr, indices
 
 
@@ -100,7 +101,7 @@ def timed_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=True):
+def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=True, on_row=None):
     """``shapes``: (name, lengths) pairs. Times KV4 decode (query prep + both regions + merge),
     our BF16 paged decode and FlashInfer's BF16 decode on the same shapes in one process."""
     from kvstreams_sglang.kernels import bf16_decode, kv4_decode
@@ -143,6 +144,8 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=
         print(f"{name:>14s} B={batch:4d} kv4 {ms:7.4f} ms {row['kv4_tb_s']:5.2f} TB/s | ours-bf16 "
               f"{row.get('ours_bf16_ms', nan):7.4f} | flashinfer {row.get('flashinfer_bf16_ms', nan):7.4f} ms"
               f" | x{row.get('speedup_vs_flashinfer', nan):.2f} vs FI  err={err}", flush=True)
+        if on_row is not None:
+            on_row(rows)
     return rows
 
 
@@ -179,13 +182,135 @@ def sweep(batch, length, hq=32, hkv=8, d=128, sink=16, recent=128):
     return rows
 
 
+def variants(shapes, hq=32, hkv=8, d=128, sink=16, recent=128):
+    """Time decode-kernel variants (block, warps, prefetch, split target) on a few shapes, after a
+    correctness check of each variant family against the torch reference; then the store kernel."""
+    import dataclasses
+
+    import triton
+
+    from kvstreams_sglang.kernels import kv4_decode, plan_decode
+    from kvstreams_sglang.kv4.reference import decode_reference
+
+    device = torch.device("cuda")
+    rows = []
+    configs = [(16, 128, 4, True, 1), (16, 128, 4, False, 2), (4, 128, 4, False, 2), (4, 128, 8, False, 1),
+               (4, 128, 8, False, 3), (4, 64, 4, False, 3), (4, 64, 8, False, 3), (4, 128, 4, True, 1)]
+    for batch, length in shapes:
+        cache, base, meta = build_kv4_case([length] * batch, hq, hkv, d, sink, recent, device)
+        q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
+        nb = min(batch, 4)
+        sub = dict(kv_indptr=meta["kv_indptr"][: nb + 1], side_indptr=meta["side_indptr"][: nb + 1],
+                   kv_indices=meta["kv_indices"], side_indices=meta["side_indices"])
+        ref, ref_lse = decode_reference(q[:nb].float(), cache, **sub)
+        nbytes = kv4_bytes([length] * batch, hq, hkv, d, sink, recent)
+        seen = set()
+        for bh, bn, w, pf, st in configs:
+            for target in ((2048, 8192) if batch * length >= 2 ** 17 else (2048,)):
+                plan = plan_decode(base.kv_indptr, base.kv_indices, base.side_indptr, base.side_indices,
+                                   num_kv_heads=hkv, block_n=bn, target_programs=target, num_warps=w,
+                                   num_stages=st, prefetch=pf)
+                plan = dataclasses.replace(plan, block_h=bh)
+                if (bh, bn, w, pf, st, plan.num_splits) in seen:
+                    continue
+                seen.add((bh, bn, w, pf, st, plan.num_splits))
+                try:
+                    out, lse = kv4_decode(q.float(), cache, plan, return_lse=True)
+                    err = float((out[:nb] - ref).norm() / ref.norm())
+                    lse_err = float((lse[:nb] - ref_lse).abs().max())
+                    ms = triton.testing.do_bench(lambda pl=plan, q=q, c=cache: kv4_decode(q, c, pl), warmup=25, rep=150,
+                                                 return_mode="median")
+                except Exception as e:
+                    print("fail", batch, length, bh, bn, w, pf, st, target, type(e).__name__, str(e)[:200], flush=True)
+                    continue
+                row = dict(batch=batch, length=length, block_h=bh, block_n=bn, warps=w, prefetch=pf, stages=st,
+                           target=target,
+                           splits=plan.num_splits, ms=ms, tb_s=nbytes / ms / 1e9, rel_err=err, lse_err=lse_err)
+                rows.append(row)
+                print(f"{batch:4d}x{length:<6d} bh={bh:2d} bn={bn:3d} w={w} pf={int(pf)} st={st} "
+                      f"splits={plan.num_splits:3d} {ms:8.4f} ms {row['tb_s']:5.2f} TB/s err={err:.1e} "
+                      f"lse={lse_err:.1e}", flush=True)
+        cache = base = meta = None
+        torch.cuda.empty_cache()
+    return rows
+
+
+def store_bench(n=262144, hkv=8, d=128):
+    """Store kernel (rotate + quantise + scatter to shuffled slots) vs a device copy of the same bytes."""
+    import triton
+
+    from kvstreams_sglang.kernels import kv4_store
+    from kvstreams_sglang.kv4 import KV4LayerCache
+
+    device = torch.device("cuda")
+    cache = KV4LayerCache.empty(n, 1024, hkv, d, device=device)
+    k = torch.randn(n, hkv, d, device=device, dtype=torch.bfloat16)
+    v = torch.randn(n, hkv, d, device=device, dtype=torch.bfloat16)
+    slots = torch.randperm(n, device=device)
+    side = torch.full((n,), -1, dtype=torch.int64, device=device)
+    moved = 2 * n * hkv * (d * 2 + d // 2 + 4) + n * 16  # read bf16 K,V; write codes + meta; slot ids
+    src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    rows = [dict(kind="copy", ms=copy_ms, tb_s=moved / copy_ms / 1e9)]
+    for bt, prec in ((16, "ieee"), (16, "tf32x3"), (32, "tf32x3"), (64, "tf32x3"), (32, "tf32")):
+        ms = triton.testing.do_bench(lambda bt=bt, prec=prec: kv4_store(cache, k, v, slots, side, block_t=bt,
+                                                                        rot_prec=prec),
+                                     warmup=25, rep=200, return_mode="median")
+        rows.append(dict(kind=f"store bt={bt} rot={prec}", ms=ms, tb_s=moved / ms / 1e9, frac_of_copy=copy_ms / ms))
+    for r in rows:
+        print(f"{r['kind']:28s} {r['ms']:8.4f} ms {r['tb_s']:5.2f} TB/s (bytes moved {moved / 1e9:.2f} GB)", flush=True)
+    return rows
+
+
+def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
+    """Host time per call of the KV4 decode and its parts (launch-bound small shapes): back-to-back calls
+    without synchronisation, so the GPU never limits the host loop when the kernels are short."""
+    import time
+
+    from kvstreams_sglang.kernels import kv4_decode, kv4_quantize_query
+
+    device = torch.device("cuda")
+    cache, plan, _ = build_kv4_case([length] * batch, hq, hkv, d, 16, 128, device)
+    q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
+    parts = dict(kv4_decode=lambda: kv4_decode(q, cache, plan), quantize_query=lambda: kv4_quantize_query(q),
+                 empty_alloc=lambda: torch.empty(batch, hq, plan.num_splits + 1, d, device=device))
+    rows = {}
+    for name, fn in parts.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        rows[name] = (t1 - t0) / iters * 1e6
+        print(f"host {name:16s} {rows[name]:7.1f} us/call", flush=True)
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument("--sweep", default=None, help="B,L: time launch configurations on one shape")
     p.add_argument("--no-baselines", action="store_true", help="time KV4 only (no BF16 / FlashInfer)")
+    p.add_argument("--overhead", action="store_true", help="host time per KV4 decode call at B=32, L=1k")
+    p.add_argument("--store", action="store_true", help="with --variants: also time the store kernel")
+    p.add_argument("--variants", default=None, help="B,L;B,L;...: time decode kernel variants, then the store kernel")
     a = p.parse_args()
+    if a.overhead:
+        host_overhead()
+        return
+    if a.variants:
+        shapes = [tuple(map(int, x.split(","))) for x in a.variants.split(";")]
+        result = dict(variants=variants(shapes), store=store_bench() if a.store else None,
+                      command=f"python -m bench.decode_attention --variants '{a.variants}'")
+        out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "decode_variants.json")
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+        return
     if a.sweep:
         batch, length = map(int, a.sweep.split(","))
         rows = sweep(batch, length)
@@ -201,12 +326,15 @@ def main():
     g = torch.Generator().manual_seed(0)  # mixed lengths within a batch: uniform 512..16k
     shapes += [(f"mixed{b}", torch.randint(512, 16385, (b,), generator=g).tolist()) for b in ((64,) if a.quick
                                                                                               else (64, 128, 256))]
-    rows = run(shapes, baselines=not a.no_baselines)
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(), rows=rows,
-                  command="python -m bench.decode_attention" + (" --quick" if a.quick else ""))
     out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "decode_attention_h200.json")
-    with open(out, "w") as f:
-        json.dump(result, f, indent=1)
+
+    def save(rows):  # after every shape, so a run cut short still leaves its rows
+        result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(), rows=rows,
+                      command="python -m bench.decode_attention" + (" --quick" if a.quick else ""))
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    save(run(shapes, baselines=not a.no_baselines, on_row=save))
 
 
 if __name__ == "__main__":

@@ -194,7 +194,7 @@ def test_llama_checkpoints_load_and_match_transformers(tmp_path):
     assert max_diff(ref_model, eng.stream_record(sid)) <= 1e-5
 
 
-def test_kv4rl_cpu_reference_path_equals_the_triton_kernels(tiny_model_path):
+def test_kv4rl_cpu_reference_path_equals_the_triton_kernels(tiny_model_path, device):
     """The engine's KV4 torch path (``kv4.reference``, used on CPU) and the Triton kernels
     (interpreted on CPU) sample the same tokens with the same logprobs: two streams batched,
     both regions in use, an eviction in between. Up to rounding: the kernels rotate by a matmul,
@@ -205,7 +205,7 @@ def test_kv4rl_cpu_reference_path_equals_the_triton_kernels(tiny_model_path):
     records = {}
     for impl in ("torch", "triton"):
         eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=1024, max_streams=4, recent=32,
-                     dtype=torch.float32)
+                     dtype=torch.float32, device=device)
         eng.backend = KV4Backend(eng.pool, impl=impl)
         sids = [eng.open_stream(list(range(30, 110))), eng.open_stream(list(range(40, 90)))]
         eng.generate_many([(s, SamplingParams(max_new_tokens=3, seed=i)) for i, s in enumerate(sids)])

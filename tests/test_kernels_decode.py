@@ -33,3 +33,17 @@ def test_decode_kernel_without_rotation_matches_reference(device):
     q = torch.randn(1, 4, 128, device=device)
     plan = plan_decode(**meta, num_kv_heads=2, num_splits=2, block_n=32)
     assert rel_l2(kv4_decode(q, cache, plan, rotate=False), decode_reference(q, cache, **meta, rotate=False)[0]) <= 1e-3
+
+
+@pytest.mark.parametrize("block_h,prefetch,stages", [(4, False, 3), (4, True, 1), (16, False, 2)])
+def test_decode_kernel_launch_variants_match_reference(block_h, prefetch, stages, device):
+    """Every launch variant the plan can pick (rows per program, prefetch or Triton pipelining)."""
+    import dataclasses
+
+    cache, meta, _ = filled_cache([300, 17, 200], hkv=2, seed=11, device=device)
+    q = torch.randn(3, 8, 128, device=device)
+    plan = plan_decode(**meta, num_kv_heads=2, num_splits=2, block_n=32, prefetch=prefetch, num_stages=stages)
+    out, lse = kv4_decode(q, cache, dataclasses.replace(plan, block_h=block_h), return_lse=True)
+    ref_out, ref_lse = decode_reference(q, cache, **meta)
+    assert rel_l2(out, ref_out) <= 1e-3
+    assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)

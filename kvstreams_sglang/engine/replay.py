@@ -22,6 +22,7 @@ from trainer_masks.lm_head import decoder
 from trainer_masks.logprobs import attention_implementation, layer_masks
 
 from ..kernels import kv4_store
+from ..kv4.reference import store_reference
 from ..streams import FullPrecisionPool, KV4Pool
 from .batch import ReplayBatch
 
@@ -40,8 +41,9 @@ class ReplayWriter:
         b = self.batch
         k = key[0].transpose(0, 1)[b.live_rows]
         v = value[0].transpose(0, 1)[b.live_rows]
-        if isinstance(self.pool, KV4Pool):
-            kv4_store(self.pool.layers[layer], k, v, b.live_slots, b.side_slots)
+        if isinstance(self.pool, KV4Pool):  # the kernel on CUDA, its reference elsewhere (as KV4Backend "auto")
+            store = kv4_store if k.is_cuda else store_reference
+            store(self.pool.layers[layer], k, v, b.live_slots, b.side_slots)
         else:
             kp, vp = self.pool.k[layer], self.pool.v[layer]
             kp[b.live_slots] = k.to(kp.dtype)

@@ -2,10 +2,11 @@
 side region of a page-size-1 KV4 cache, merged exactly by log-sum-exp.
 
 Shape of the API follows FlashInfer: ``plan_decode`` builds the per-step metadata once
-(index lists and the split size), ``kv4_decode`` runs one layer. Grid ``(B, Hkv,
-NUM_SPLITS + 1)``: programs ``split < NUM_SPLITS`` each stream one chunk of the request's
+(index lists and the split size), ``kv4_decode`` runs one layer in one launch. Grid ``(Hkv,
+NUM_SPLITS + 1, B)``: programs ``split < NUM_SPLITS`` each stream one chunk of the request's
 INT4 slots, the last program of a (request, head) reads its INT8 side slots; all write a
-partial output and LSE, and ``_merge_kernel`` combines them. One program serves all
+partial output and LSE, and the last of them to finish (a ticket counter) merges them. Each
+program rotates and INT8-quantises its own query rows first. One program serves all
 ``GROUP = Hq / Hkv`` query heads of its KV head, so each KV byte is read once (GQA).
 
 Why the arithmetic looks like this (KV4-RL): the query is INT8 (rotated into the keys'
@@ -19,6 +20,7 @@ accumulates in fp32. Reference: ``kv4.reference.decode_reference``.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -26,35 +28,66 @@ import triton
 import triton.language as tl
 
 from ..kv4.cache import KV4LayerCache
-from .quantize import kv4_quantize_query
-from .tiles import int4_load, int4_math, int8_tile
+from .quantize import device_hadamard, int8_codes, rotate_halves_sylvester
+from .tiles import int4_load_w, int4_math_w, int8_tile
 
 LOG2E = 1.4426950408889634
+FP16_MAGIC = 0x64006400  # two fp16 1024.0: the nibble-to-fp16 bit trick (tiles.nibbles_centred_fp16)
+
+
+@triton.jit
+def _widen(slot, OFF64: tl.constexpr):
+    """Slot ids as int64 only when some code or meta offset needs more than 31 bits."""
+    if OFF64:
+        slot = slot.to(tl.int64)
+    return slot
 
 
 @triton.jit
 def _decode_kernel(
-    Q8, QScale, stride_qb, stride_qh, stride_sb,
-    KvIndptr, KvIndices, SideIndptr, SideIndices,
-    KCodes, KMeta, VCodes, VMeta, KSide, KSideScale, VSide, VSideScale,
-    stride_cs, stride_ch, stride_ms, stride_mh, stride_ss, stride_sh, stride_scs, stride_sch,
-    Out, Lse, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
-    sm_scale_log2, chunk,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    Q, Hmat, KvIndptr, KvIndices, SideIndptr, SideIndices,
+    KCodes, KMeta32, VCodes, VMeta32, KSide, KSideScale, VSide, VSideScale,
+    PartOut, PartLse, Counter, Out, LseOut,
+    sm_scale_log2, chunk, magic,
+    HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, OFF64: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
-    split = tl.program_id(2)
+    # Grid (Hkv, splits + 1, B): the KV heads of one (request, split) are neighbours in launch order, so
+    # they walk the same slots together and the 32-byte sector holding all heads' meta words of a slot
+    # is fetched from DRAM once and then served from L2 to the other head programs.
+    # One launch per decode step: each program rotates and INT8-quantises its own GROUP query rows (the
+    # query kernel's arithmetic), and the last program of a (request, KV head) to finish merges the
+    # partial states of all splits (a ticket counter), so no separate query or merge launch is needed.
+    # Every tensor is contiguous (the launcher checks), so all strides are compile-time constants: fewer
+    # launch arguments (Triton's per-argument launch cost dominates small decode steps) and immediate
+    # address arithmetic.
+    stride_qb: tl.constexpr = HKV * GROUP * 2 * HALF
+    stride_qh: tl.constexpr = 2 * HALF
+    stride_cs: tl.constexpr = HKV * HALF
+    stride_ch: tl.constexpr = HALF
+    stride_ws: tl.constexpr = HKV
+    stride_wh: tl.constexpr = 1
+    stride_ss: tl.constexpr = HKV * 2 * HALF
+    stride_sh: tl.constexpr = 2 * HALF
+    stride_scs: tl.constexpr = HKV
+    stride_sch: tl.constexpr = 1
+    hk = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    num_hkv = HKV
     hrow = tl.arange(0, BLOCK_H)
     hmask = hrow < GROUP
     qh = hk * GROUP + hrow
     d = tl.arange(0, HALF)
 
-    q_ptr = Q8 + b * stride_qb + qh[:, None] * stride_qh + d[None, :]
-    q_lo = tl.load(q_ptr, mask=hmask[:, None], other=0)  # [BLOCK_H, HALF] int8
-    q_hi = tl.load(q_ptr + HALF, mask=hmask[:, None], other=0)
-    sq = tl.load(QScale + b * stride_sb + qh, mask=hmask, other=0.0).to(tl.float32)
+    q_ptr = Q + b * stride_qb + qh[:, None] * stride_qh + d[None, :]
+    x_lo = tl.load(q_ptr, mask=hmask[:, None], other=0.0).to(tl.float32)
+    x_hi = tl.load(q_ptr + HALF, mask=hmask[:, None], other=0.0).to(tl.float32)
+    if ROTATE:
+        x_lo, x_hi = rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF)
+    q_lo, q_hi, q_scale = int8_codes(x_lo, x_hi)  # [BLOCK_H, HALF] int8 (0 in padding rows), fp16 scale
+    sq = q_scale.to(tl.float32)
 
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -70,26 +103,34 @@ def _decode_kernel(
         q_sum = (tl.sum(q_lo.to(tl.int32), 1) + tl.sum(q_hi.to(tl.int32), 1)).to(tl.float32)
         qs = sq * sm_scale_log2
         acc_off = tl.zeros([BLOCK_H], tl.float32)
-        # Software pipeline over page-size-1 gathers (each tile's loads wait on its slot ids):
-        # tile i's math runs while tile i+1's codes and tile i+2's slot ids are in flight.
         ar = tl.arange(0, BLOCK_N)
-        nmask = lo + ar < hi
-        slot = tl.load(KvIndices + start + lo + ar, mask=nmask, other=0).to(tl.int64)
-        kc, k_scale, k_off, vc, v_scale, v_off = int4_load(slot, nmask, hk, KCodes, KMeta, VCodes, VMeta,
-                                                           stride_cs, stride_ch, stride_ms, stride_mh, HALF)
-        mask_next = lo + BLOCK_N + ar < hi
-        slot_next = tl.load(KvIndices + start + lo + BLOCK_N + ar, mask=mask_next, other=0).to(tl.int64)
-        for n0 in range(lo, hi, BLOCK_N):
-            kc_n, k_scale_n, k_off_n, vc_n, v_scale_n, v_off_n = int4_load(
-                slot_next, mask_next, hk, KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh,
-                HALF)
-            mask_after = n0 + 2 * BLOCK_N + ar < hi
-            slot_after = tl.load(KvIndices + start + n0 + 2 * BLOCK_N + ar, mask=mask_after, other=0).to(tl.int64)
-            m_i, l_i, acc_lo, acc_hi, acc_off = int4_math(
-                q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, nmask, kc, k_scale, k_off, vc, v_scale,
-                v_off)
-            kc, k_scale, k_off, vc, v_scale, v_off = kc_n, k_scale_n, k_off_n, vc_n, v_scale_n, v_off_n
-            nmask, mask_next, slot_next = mask_next, mask_after, slot_after
+        if PREFETCH:
+            # Software pipeline over page-size-1 gathers: tile i's math runs while tile i+1's codes
+            # and tile i+2's slot ids are in flight.
+            nmask = lo + ar < hi
+            slot = _widen(tl.load(KvIndices + start + lo + ar, mask=nmask, other=0), OFF64)
+            kc, kw, vc, vw = int4_load_w(slot, nmask, hk, KCodes, KMeta32, VCodes, VMeta32, stride_cs, stride_ch,
+                                         stride_ws, stride_wh, HALF)
+            mask_next = lo + BLOCK_N + ar < hi
+            slot_next = _widen(tl.load(KvIndices + start + lo + BLOCK_N + ar, mask=mask_next, other=0), OFF64)
+            for n0 in range(lo, hi, BLOCK_N):
+                kc_n, kw_n, vc_n, vw_n = int4_load_w(slot_next, mask_next, hk, KCodes, KMeta32, VCodes, VMeta32,
+                                                     stride_cs, stride_ch, stride_ws, stride_wh, HALF)
+                mask_after = n0 + 2 * BLOCK_N + ar < hi
+                slot_after = _widen(tl.load(KvIndices + start + n0 + 2 * BLOCK_N + ar, mask=mask_after,
+                                             other=0), OFF64)
+                m_i, l_i, acc_lo, acc_hi, acc_off = int4_math_w(q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi,
+                                                                acc_off, nmask, kc, kw, vc, vw, magic, USE_ASM)
+                kc, kw, vc, vw = kc_n, kw_n, vc_n, vw_n
+                nmask, mask_next, slot_next = mask_next, mask_after, slot_after
+        else:
+            for n0 in range(lo, hi, BLOCK_N):
+                nmask = n0 + ar < hi
+                slot = _widen(tl.load(KvIndices + start + n0 + ar, mask=nmask, other=0), OFF64)
+                kc, kw, vc, vw = int4_load_w(slot, nmask, hk, KCodes, KMeta32, VCodes, VMeta32, stride_cs,
+                                             stride_ch, stride_ws, stride_wh, HALF)
+                m_i, l_i, acc_lo, acc_hi, acc_off = int4_math_w(q_lo, q_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi,
+                                                                acc_off, nmask, kc, kw, vc, vw, magic, USE_ASM)
         acc_lo += acc_off[:, None]
         acc_hi += acc_off[:, None]
     else:
@@ -106,12 +147,41 @@ def _decode_kernel(
                 KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, HALF)
 
     # An empty chunk leaves l_i = 0: it writes out = 0 and lse = -inf, which the merge ignores.
+    PARTS: tl.constexpr = NUM_SPLITS + 1
     denom = tl.where(l_i > 0, l_i, 1.0)
     lse = tl.where(l_i > 0, m_i + tl.log2(denom), float("-inf"))
-    o_ptr = Out + b * stride_ob + qh[:, None] * stride_oh + split * stride_os + d[None, :]
+    row = b * (num_hkv * GROUP) + qh  # (request, query head) row of the partial and final outputs
+    o_ptr = PartOut + (row[:, None] * PARTS + split) * (2 * HALF) + d[None, :]
     tl.store(o_ptr, acc_lo / denom[:, None], mask=hmask[:, None])
     tl.store(o_ptr + HALF, acc_hi / denom[:, None], mask=hmask[:, None])
-    tl.store(Lse + b * stride_lb + qh * stride_lh + split, lse, mask=hmask)
+    tl.store(PartLse + row * PARTS + split, lse, mask=hmask)
+
+    # Ticket: the barrier orders every thread's partial stores before the (gpu-scope, acq_rel) atomic;
+    # the program that draws the last ticket sees all parts of its (request, KV head) and merges them.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(Counter + b * num_hkv + hk, 1, sem="acq_rel", scope="gpu")
+    if ticket == PARTS - 1:
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        for s in range(PARTS):
+            m = tl.maximum(m, tl.load(PartLse + row * PARTS + s, mask=hmask, other=float("-inf"),
+                                      cache_modifier=".cg"))
+        m = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.zeros([BLOCK_H], tl.float32)
+        out_lo = tl.zeros([BLOCK_H, HALF], tl.float32)
+        out_hi = tl.zeros([BLOCK_H, HALF], tl.float32)
+        for s in range(PARTS):
+            w = tl.exp2(tl.load(PartLse + row * PARTS + s, mask=hmask, other=float("-inf"),
+                                cache_modifier=".cg") - m)  # 0 for empty parts
+            p_ptr = PartOut + (row[:, None] * PARTS + s) * (2 * HALF) + d[None, :]
+            out_lo += w[:, None] * tl.load(p_ptr, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+            out_hi += w[:, None] * tl.load(p_ptr + HALF, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+            total += w
+        den = tl.where(total > 0, total, 1.0)
+        f_ptr = Out + row[:, None] * (2 * HALF) + d[None, :]
+        tl.store(f_ptr, (out_lo / den[:, None]).to(Out.dtype.element_ty), mask=hmask[:, None])
+        tl.store(f_ptr + HALF, (out_hi / den[:, None]).to(Out.dtype.element_ty), mask=hmask[:, None])
+        tl.store(LseOut + row, tl.where(total > 0, m + tl.log2(den), float("-inf")), mask=hmask)
+        tl.atomic_xchg(Counter + b * num_hkv + hk, 0)  # ready for the next step's launch
 
 
 @triton.jit
@@ -139,6 +209,32 @@ def _merge_kernel(
     tl.store(LseOut + b * stride_lob + h, tl.where(total > 0, m + tl.log2(denom), float("-inf")))
 
 
+_COUNTERS: dict = {}
+
+
+def ticket_counters(n: int, device: torch.device) -> torch.Tensor:
+    """Zeroed int32 ticket counters, one per (request, KV head); the merging program resets its own,
+    so the buffer stays zero between launches (one stream at a time per device)."""
+    key = str(device)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
+
+
+def use_asm(device: torch.device) -> bool:
+    """Inline PTX (the word-wide nibble unpack) on a CUDA device; the interpreter has none."""
+    return device.type == "cuda" and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+
+def meta_words(meta: torch.Tensor) -> torch.Tensor:
+    """``[S, Hkv, 2]`` fp16 (scale, offset) as ``[S, Hkv]`` int32 words: one load per vector."""
+    if meta.stride(-1) != 1 or meta.stride(-2) % 2 or meta.stride(0) % 2:
+        meta = meta.contiguous()
+    return meta.view(torch.int32).squeeze(-1)
+
+
 @dataclass(frozen=True)
 class DecodePlan:
     """Per-step decode metadata: CSR index lists of both regions and the split layout."""
@@ -151,7 +247,10 @@ class DecodePlan:
     chunk: int  # INT4 slots per split, a multiple of block_n
     block_n: int
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
+    prefetch: bool = False  # software-pipeline the INT4 loop (tile i+1's loads before tile i's math)
+    block_h: int = 4  # query-head rows per program (raised to GROUP's next power of two); was 16 in v2
+    max_registers: int | None = 128  # ptxas cap: 128 keeps 4 programs of 4 warps per SM (no spills at d=128)
 
     @property
     def batch_size(self) -> int:
@@ -160,26 +259,28 @@ class DecodePlan:
 
 def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: torch.Tensor,
                 side_indices: torch.Tensor, *, num_kv_heads: int, num_splits: int | None = None,
-                block_n: int = 128, target_programs: int = 1024, num_warps: int = 4,
-                num_stages: int = 1) -> DecodePlan:
+                block_n: int = 64, target_programs: int = 2048, num_warps: int = 4, num_stages: int = 3,
+                prefetch: bool = False, min_chunk: int = 256) -> DecodePlan:
     """Build the decode metadata once per step (one host sync for the longest INT4 list).
 
     ``num_splits`` defaults to enough splits to give ``target_programs`` programs (several
-    waves on a 132-SM H200) without splits shorter than one tile, rounded down to a power of
-    two: it is a compile-time constant of the kernel, and an engine whose batch and lengths
-    change every step would otherwise compile a variant for each value. Launch defaults from
-    the H200 sweep (bench/results/decode_sweep_h200.json: block 128, 4 warps, 1 stage).
+    waves on a 132-SM H200) without splits shorter than ``min_chunk`` slots (a pipelined loop of
+    one or two tiles is mostly prologue), rounded down to a power of two: it is a compile-time
+    constant of the kernel, and an engine whose batch and lengths change every step would
+    otherwise compile a variant for each value. Launch defaults from the H200 variant sweep
+    (bench/results/decode_variants_v3_h200.json): 64-slot tiles, 4 warps, 3 pipeline stages of
+    Triton's async copies (no hand-written prefetch), 4 query-head rows per program (``kv4_decode``).
     """
     lengths = kv_indptr[1:] - kv_indptr[:-1]
     max_len = int(lengths.max()) if lengths.numel() else 0
     batch = kv_indptr.numel() - 1
     if num_splits is None:
         want = max(1, math.ceil(target_programs / max(1, batch * num_kv_heads)))
-        num_splits = max(1, min(want, triton.cdiv(max_len, block_n)))
+        num_splits = max(1, min(want, max_len // max(min_chunk, block_n)))
         num_splits = 1 << (num_splits.bit_length() - 1)
     chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
     return DecodePlan(kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
-                      num_splits, chunk, block_n, num_warps, num_stages)
+                      num_splits, chunk, block_n, num_warps, num_stages, prefetch)
 
 
 def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_scale: float | None = None,
@@ -193,30 +294,25 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
                          f"and plan batch {plan.batch_size}")
     group = hq // hkv
     sm_scale = sm_scale if sm_scale is not None else d ** -0.5
-    q8 = kv4_quantize_query(q, rotate=rotate)  # [B, Hq, D] int8 + [B, Hq] fp16 scale
-    codes, qscale = q8.codes.contiguous(), q8.scale.contiguous()
+    q = q.contiguous()
     parts = plan.num_splits + 1
     part_out = torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bsz, hq, parts, dtype=torch.float32, device=q.device)
-    c = cache
-    _decode_kernel[(bsz, hkv, parts)](
-        codes, qscale, codes.stride(0), codes.stride(1), qscale.stride(0),
-        plan.kv_indptr, plan.kv_indices, plan.side_indptr, plan.side_indices,
-        c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale,
-        c.k_codes.stride(0), c.k_codes.stride(1), c.k_meta.stride(0), c.k_meta.stride(1),
-        c.k_side.stride(0), c.k_side.stride(1), c.k_side_scale.stride(0), c.k_side_scale.stride(1),
-        part_out, part_lse, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        sm_scale * LOG2E, plan.chunk,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=plan.block_n, HALF=d // 2,
-        NUM_SPLITS=plan.num_splits, num_warps=plan.num_warps, num_stages=plan.num_stages,
-    )
     out_dtype = torch.float32 if q.dtype == torch.float64 else q.dtype
     out = torch.empty(bsz, hq, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
-    _merge_kernel[(bsz, hq)](
-        part_out, part_lse, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out, lse, out.stride(0), out.stride(1), lse.stride(0),
-        NUM_PARTS=parts, PARTS_P2=triton.next_power_of_2(parts), D=d,
+    c = cache
+    k_w, v_w = meta_words(c.k_meta), meta_words(c.v_meta)
+    t = [x if x.is_contiguous() else x.contiguous()  # strides are compile-time constants of the kernel
+         for x in (c.k_codes, k_w, c.v_codes, v_w, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale)]
+    _decode_kernel[(hkv, parts, bsz)](
+        q, device_hadamard(d, q.device), plan.kv_indptr, plan.kv_indices, plan.side_indptr, plan.side_indices,
+        *t, part_out, part_lse, ticket_counters(bsz * hkv, q.device), out, lse,
+        sm_scale * LOG2E, plan.chunk, FP16_MAGIC,
+        HKV=hkv, GROUP=group, BLOCK_H=max(plan.block_h, triton.next_power_of_2(group)), BLOCK_N=plan.block_n,
+        HALF=d // 2, NUM_SPLITS=plan.num_splits, PREFETCH=plan.prefetch, USE_ASM=use_asm(q.device),
+        OFF64=c.k_codes.numel() > 2**31 or k_w.numel() > 2**31, ROTATE=rotate,  # offsets < numel
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **({"maxnreg": plan.max_registers} if plan.max_registers else {}),
     )
     return (out, lse / LOG2E) if return_lse else out

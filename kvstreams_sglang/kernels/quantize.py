@@ -15,18 +15,43 @@ import triton.language as tl
 from ..kv4.hadamard import hadamard_matrix
 from ..kv4.quant import Int8Tensor
 
+_HMAT: dict = {}
+
+
+def device_hadamard(d: int, device) -> torch.Tensor:
+    """fp32 Hadamard matrix on ``device``, made once (``hadamard_matrix`` copies it host-to-device per call)."""
+    key = (d, str(device))
+    if key not in _HMAT:
+        _HMAT[key] = hadamard_matrix(d, device=device)
+    return _HMAT[key]
+
 
 @triton.jit
-def rotate_halves(x_lo, x_hi, Hmat, HALF: tl.constexpr):
-    """``[x_lo, x_hi] @ H`` with ``H = [[H00, H01], [H10, H11]]``: each output half is two dots."""
+def rotate_halves(x_lo, x_hi, Hmat, HALF: tl.constexpr, PREC: tl.constexpr):
+    """``[x_lo, x_hi] @ H`` with ``H = [[H00, H01], [H10, H11]]``: each output half is two dots.
+    ``PREC="tf32x3"`` runs them on the tensor cores (three tf32 passes, ~fp32 accuracy) instead of
+    fp32 FMAs; the store kernel uses it (an ieee rotation made it compute bound)."""
     e = tl.arange(0, HALF)
     d = tl.arange(0, HALF)
     h00 = tl.load(Hmat + e[:, None] * (2 * HALF) + d[None, :])
     h01 = tl.load(Hmat + e[:, None] * (2 * HALF) + HALF + d[None, :])
     h10 = tl.load(Hmat + (HALF + e[:, None]) * (2 * HALF) + d[None, :])
     h11 = tl.load(Hmat + (HALF + e[:, None]) * (2 * HALF) + HALF + d[None, :])
-    r_lo = tl.dot(x_lo, h00, input_precision="ieee") + tl.dot(x_hi, h10, input_precision="ieee")
-    r_hi = tl.dot(x_lo, h01, input_precision="ieee") + tl.dot(x_hi, h11, input_precision="ieee")
+    r_lo = tl.dot(x_lo, h00, input_precision=PREC) + tl.dot(x_hi, h10, input_precision=PREC)
+    r_hi = tl.dot(x_lo, h01, input_precision=PREC) + tl.dot(x_hi, h11, input_precision=PREC)
+    return r_lo, r_hi
+
+
+@triton.jit
+def rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF: tl.constexpr):
+    """``rotate_halves`` for the Sylvester Hadamard matrix, whose blocks are ``H00 = H01 = H10 = -H11``:
+    ``[x_lo + x_hi, x_lo - x_hi] @ H00``, one 64x64 block instead of four (a quarter of the matrix
+    loads and registers, half the FMAs; the decode kernel rotates its own query rows with it)."""
+    e = tl.arange(0, HALF)
+    d = tl.arange(0, HALF)
+    h00 = tl.load(Hmat + e[:, None] * (2 * HALF) + d[None, :])
+    r_lo = tl.dot(x_lo + x_hi, h00, input_precision="ieee")
+    r_hi = tl.dot(x_lo - x_hi, h00, input_precision="ieee")
     return r_lo, r_hi
 
 
@@ -65,7 +90,7 @@ def _query_kernel(Q, stride_qr, Hmat, Codes, Scale, R, HALF: tl.constexpr, BLOCK
     x_lo = tl.load(Q + r[:, None] * stride_qr + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     x_hi = tl.load(Q + r[:, None] * stride_qr + HALF + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     if ROTATE:
-        x_lo, x_hi = rotate_halves(x_lo, x_hi, Hmat, HALF)
+        x_lo, x_hi = rotate_halves(x_lo, x_hi, Hmat, HALF, "ieee")
     c_lo, c_hi, scale = int8_codes(x_lo, x_hi)
     tl.store(Codes + r[:, None] * (2 * HALF) + d[None, :], c_lo, mask=rmask[:, None])
     tl.store(Codes + r[:, None] * (2 * HALF) + HALF + d[None, :], c_hi, mask=rmask[:, None])
@@ -82,6 +107,6 @@ def kv4_quantize_query(q: torch.Tensor, *, rotate: bool = True, block_r: int = 1
     scale = torch.empty(rows.shape[0], dtype=torch.float16, device=q.device)
     if rows.shape[0]:
         _query_kernel[(triton.cdiv(rows.shape[0], block_r),)](
-            rows, rows.stride(0), hadamard_matrix(d, device=q.device), codes, scale, rows.shape[0],
+            rows, rows.stride(0), device_hadamard(d, q.device), codes, scale, rows.shape[0],
             HALF=d // 2, BLOCK_R=block_r, ROTATE=rotate)
     return Int8Tensor(codes.view(q.shape), scale.view(q.shape[:-1]))

@@ -14,8 +14,7 @@ import triton
 import triton.language as tl
 
 from ..kv4.cache import KV4LayerCache
-from ..kv4.hadamard import hadamard_matrix
-from .quantize import int4_codes, int8_codes, rotate_halves
+from .quantize import device_hadamard, int4_codes, int8_codes, rotate_halves
 
 
 @triton.jit
@@ -25,7 +24,7 @@ def _store_kernel(
     KCodes, KMeta, VCodes, VMeta, KSide, KSideScale, VSide, VSideScale,
     stride_cs, stride_ch, stride_ms, stride_mh, stride_ss, stride_sh, stride_scs, stride_sch,
     N,
-    HALF: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_T: tl.constexpr, ROTATE: tl.constexpr, ROT_PREC: tl.constexpr,
 ):
     h = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -37,7 +36,7 @@ def _store_kernel(
     k_hi = tl.load(K + t[:, None] * stride_kt + h * stride_kh + HALF + d[None, :], mask=row, other=0.0)
     k_hi = k_hi.to(tl.float32)
     if ROTATE:
-        k_lo, k_hi = rotate_halves(k_lo, k_hi, Hmat, HALF)
+        k_lo, k_hi = rotate_halves(k_lo, k_hi, Hmat, HALF, ROT_PREC)
     v_lo = tl.load(V + t[:, None] * stride_vt + h * stride_vh + d[None, :], mask=row, other=0.0).to(tl.float32)
     v_hi = tl.load(V + t[:, None] * stride_vt + h * stride_vh + HALF + d[None, :], mask=row, other=0.0)
     v_hi = v_hi.to(tl.float32)
@@ -55,21 +54,23 @@ def _store_kernel(
 
     side = tl.load(SideSlots + t, mask=tmask, other=-1).to(tl.int64)
     smask = tmask & (side >= 0)
-    srow = smask[:, None]
-    side = tl.where(smask, side, 0)
-    k8_lo, k8_hi, k8s = int8_codes(k_lo, k_hi)
-    v8_lo, v8_hi, v8s = int8_codes(v_lo, v_hi)
-    base = side[:, None] * stride_ss + h * stride_sh + d[None, :]
-    tl.store(KSide + base, k8_lo, mask=srow)
-    tl.store(KSide + base + HALF, k8_hi, mask=srow)
-    tl.store(VSide + base, v8_lo, mask=srow)
-    tl.store(VSide + base + HALF, v8_hi, mask=srow)
-    tl.store(KSideScale + side * stride_scs + h * stride_sch, k8s, mask=smask)
-    tl.store(VSideScale + side * stride_scs + h * stride_sch, v8s, mask=smask)
+    if tl.max(smask.to(tl.int32), 0) > 0:  # most blocks hold no protected position: skip the INT8 codes
+        srow = smask[:, None]
+        side = tl.where(smask, side, 0)
+        k8_lo, k8_hi, k8s = int8_codes(k_lo, k_hi)
+        v8_lo, v8_hi, v8s = int8_codes(v_lo, v_hi)
+        base = side[:, None] * stride_ss + h * stride_sh + d[None, :]
+        tl.store(KSide + base, k8_lo, mask=srow)
+        tl.store(KSide + base + HALF, k8_hi, mask=srow)
+        tl.store(VSide + base, v8_lo, mask=srow)
+        tl.store(VSide + base + HALF, v8_hi, mask=srow)
+        tl.store(KSideScale + side * stride_scs + h * stride_sch, k8s, mask=smask)
+        tl.store(VSideScale + side * stride_scs + h * stride_sch, v8s, mask=smask)
 
 
 def kv4_store(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-              side_slots: torch.Tensor | None = None, *, rotate: bool = True, block_t: int = 16) -> None:
+              side_slots: torch.Tensor | None = None, *, rotate: bool = True, block_t: int = 64,
+              rot_prec: str = "tf32x3") -> None:
     """Quantise ``k, v [N, Hkv, D]`` (post-RoPE) into ``slots [N]``; rows whose
     ``side_slots`` entry is ``>= 0`` also get INT8 copies there."""
     n, hkv, d = k.shape
@@ -82,7 +83,7 @@ def kv4_store(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: tor
         k, v = k.contiguous(), v.contiguous()
     if side_slots is None:
         side_slots = torch.full((n,), -1, dtype=torch.int64, device=k.device)
-    hmat = hadamard_matrix(d, device=k.device)
+    hmat = device_hadamard(d, k.device)
     c = cache
     _store_kernel[(triton.cdiv(n, block_t), hkv)](
         k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -90,5 +91,5 @@ def kv4_store(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: tor
         c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale,
         c.k_codes.stride(0), c.k_codes.stride(1), c.k_meta.stride(0), c.k_meta.stride(1),
         c.k_side.stride(0), c.k_side.stride(1), c.k_side_scale.stride(0), c.k_side_scale.stride(1),
-        n, HALF=d // 2, BLOCK_T=block_t, ROTATE=rotate,
+        n, HALF=d // 2, BLOCK_T=block_t, ROTATE=rotate, ROT_PREC=rot_prec,
     )
