@@ -101,10 +101,27 @@ def timed_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=True, on_row=None):
+def parse_alts(text):
+    """``name:key=val,key=val;name:...`` -> [(name, {plan_decode kwargs}, {DecodePlan field overrides})]."""
+    fields = {"block_h", "max_registers"}
+    alts = []
+    for part in filter(None, (text or "").split(";")):
+        name, _, spec = part.partition(":")
+        kw, repl = {}, {}
+        for item in filter(None, spec.split(",")):
+            k, _, v = item.partition("=")
+            (repl if k in fields else kw)[k] = int(v)
+        alts.append((name, kw, repl))
+    return alts
+
+
+def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=True, on_row=None, alts=()):
     """``shapes``: (name, lengths) pairs. Times KV4 decode (query prep + both regions + merge),
-    our BF16 paged decode and FlashInfer's BF16 decode on the same shapes in one process."""
-    from kvstreams_sglang.kernels import bf16_decode, kv4_decode
+    our BF16 paged decode and FlashInfer's BF16 decode on the same shapes in one process.
+    ``alts`` (``parse_alts``): further KV4 plan variants, each checked against the reference and timed."""
+    import dataclasses
+
+    from kvstreams_sglang.kernels import bf16_decode, kv4_decode, plan_decode
     from kvstreams_sglang.kv4.reference import decode_reference
 
     device = torch.device("cuda")
@@ -119,13 +136,30 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=
             sub = dict(kv_indptr=meta["kv_indptr"][: nb + 1], side_indptr=meta["side_indptr"][: nb + 1],
                        kv_indices=meta["kv_indices"], side_indices=meta["side_indices"])
             ref, _ = decode_reference(q[:nb].float(), cache, **sub)
-            out = kv4_decode(q.float(), cache, plan)[:nb]  # fp32 in and out: no bf16 output rounding
-            err = float((out - ref).norm() / ref.norm())
+            err = 0.0
+            for _ in range(2):  # the second call takes the cached direct launch
+                out = kv4_decode(q.float(), cache, plan)[:nb]  # fp32 in and out: no bf16 output rounding
+                err = max(err, float((out - ref).norm() / ref.norm()))
         ms = timed_ms(lambda q=q, c=cache, pl=plan: kv4_decode(q, c, pl))
+        alt_rows = {}
+        for aname, akw, arepl in alts:
+            try:
+                ap = dataclasses.replace(plan_decode(plan.kv_indptr, plan.kv_indices, plan.side_indptr,
+                                                     plan.side_indices, num_kv_heads=hkv, **akw), **arepl)
+                aerr = None
+                if check:
+                    aerr = 0.0
+                    for _ in range(2):
+                        out = kv4_decode(q.float(), cache, ap)[:nb]
+                        aerr = max(aerr, float((out - ref).norm() / ref.norm()))
+                ams = timed_ms(lambda q=q, c=cache, pl=ap: kv4_decode(q, c, pl))
+                alt_rows[aname] = dict(ms=ams, rel_err_vs_ref=aerr, splits=ap.num_splits)
+            except Exception as e:  # a variant may not compile or fit
+                alt_rows[aname] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
         nbytes = kv4_bytes(lengths, hq, hkv, d, sink, recent)
         row = dict(shape=name, batch=batch, max_length=max(lengths), mean_length=sum(lengths) / batch,
                    splits=plan.num_splits, kv4_ms=ms, kv4_tb_s=nbytes / ms / 1e9, kv4_bytes=nbytes,
-                   bf16_bytes=bf16_bytes(lengths, hq, hkv, d), rel_err_vs_ref=err)
+                   bf16_bytes=bf16_bytes(lengths, hq, hkv, d), rel_err_vs_ref=err, alts=alt_rows)
         cache = plan = meta = None
         torch.cuda.empty_cache()
         if baselines:
@@ -144,6 +178,11 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=
         print(f"{name:>14s} B={batch:4d} kv4 {ms:7.4f} ms {row['kv4_tb_s']:5.2f} TB/s | ours-bf16 "
               f"{row.get('ours_bf16_ms', nan):7.4f} | flashinfer {row.get('flashinfer_bf16_ms', nan):7.4f} ms"
               f" | x{row.get('speedup_vs_flashinfer', nan):.2f} vs FI  err={err}", flush=True)
+        for aname, ar in alt_rows.items():
+            fi_ms = row.get("flashinfer_bf16_ms", nan)
+            print(f"{'':>14s}   alt {aname:10s} " + (f"{ar['ms']:7.4f} ms x{fi_ms / ar['ms']:.2f} vs FI "
+                                                      f"splits={ar['splits']} err={ar['rel_err_vs_ref']}"
+                                                      if "ms" in ar else ar["error"]), flush=True)
         if on_row is not None:
             on_row(rows)
     return rows
@@ -287,6 +326,9 @@ def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
         torch.cuda.synchronize()
         rows[name] = (t1 - t0) / iters * 1e6
         print(f"host {name:16s} {rows[name]:7.1f} us/call", flush=True)
+    from kvstreams_sglang.kernels import decode
+
+    print(f"direct launch active: {decode._FAST[0]}, cached kernels: {len(decode._LAUNCHED)}", flush=True)
     return rows
 
 
@@ -298,6 +340,9 @@ def main():
     p.add_argument("--no-baselines", action="store_true", help="time KV4 only (no BF16 / FlashInfer)")
     p.add_argument("--overhead", action="store_true", help="host time per KV4 decode call at B=32, L=1k")
     p.add_argument("--store", action="store_true", help="with --variants: also time the store kernel")
+    p.add_argument("--alts", default=None, help="name:key=val,...;...: KV4 plan variants timed beside the default "
+                   "in the table (plan_decode kwargs, or block_h / max_registers)")
+    p.add_argument("--shapes", default=None, help="B,L;B,L;...: table rows to run instead of the full grid")
     p.add_argument("--variants", default=None, help="B,L;B,L;...: time decode kernel variants, then the store kernel")
     a = p.parse_args()
     if a.overhead:
@@ -326,15 +371,20 @@ def main():
     g = torch.Generator().manual_seed(0)  # mixed lengths within a batch: uniform 512..16k
     shapes += [(f"mixed{b}", torch.randint(512, 16385, (b,), generator=g).tolist()) for b in ((64,) if a.quick
                                                                                               else (64, 128, 256))]
+    if a.shapes:  # a subset of the table's rows, in the given order ("B,L" or "mixedB")
+        by_name = dict(shapes)
+        names = [x if x.startswith("mixed") else "x".join(x.split(",")) for x in a.shapes.split(";")]
+        shapes = [(n, by_name[n]) for n in names]
     out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "decode_attention_h200.json")
 
     def save(rows):  # after every shape, so a run cut short still leaves its rows
         result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(), rows=rows,
-                      command="python -m bench.decode_attention" + (" --quick" if a.quick else ""))
+                      command="python -m bench.decode_attention" + (" --quick" if a.quick else "")
+                      + (f" --shapes '{a.shapes}'" if a.shapes else "") + (f" --alts '{a.alts}'" if a.alts else ""))
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
 
-    save(run(shapes, baselines=not a.no_baselines, on_row=save))
+    save(run(shapes, baselines=not a.no_baselines, on_row=save, alts=parse_alts(a.alts)))
 
 
 if __name__ == "__main__":

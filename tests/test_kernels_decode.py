@@ -47,3 +47,22 @@ def test_decode_kernel_launch_variants_match_reference(block_h, prefetch, stages
     ref_out, ref_lse = decode_reference(q, cache, **meta)
     assert rel_l2(out, ref_out) <= 1e-3
     assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_decode_kernel_plan_reuse_across_layers(device):
+    """One plan serves every layer of a step: its cached per-layer arguments and shared workspaces must not
+    mix two caches up, and a repeated call gives the same output."""
+    import dataclasses
+
+    cache_a, meta, _ = filled_cache([300, 17, 200], hkv=2, seed=12, device=device)
+    cache_b = dataclasses.replace(cache_a, k_codes=cache_a.k_codes ^ 0x35, v_codes=cache_a.v_codes ^ 0x5A,
+                                  k_side=-cache_a.k_side)  # same slots, other contents (another layer)
+    q = torch.randn(3, 8, 128, device=device)
+    plan = plan_decode(**meta, num_kv_heads=2, num_splits=3, block_n=32)
+    for _ in range(2):
+        for cache in (cache_a, cache_b):
+            out, lse = kv4_decode(q, cache, plan, return_lse=True)
+            ref_out, ref_lse = decode_reference(q, cache, **meta)
+            assert rel_l2(out, ref_out) <= 1e-3
+            assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
+            assert rel_l2(kv4_decode(q, cache, plan), ref_out) <= 1e-3

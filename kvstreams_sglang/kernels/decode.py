@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
 
 from ..kv4.cache import KV4LayerCache
 from .quantize import device_hadamard, int8_codes, rotate_halves_sylvester
@@ -250,7 +252,12 @@ class DecodePlan:
     num_stages: int = 3
     prefetch: bool = False  # software-pipeline the INT4 loop (tile i+1's loads before tile i's math)
     block_h: int = 4  # query-head rows per program (raised to GROUP's next power of two); was 16 in v2
-    max_registers: int | None = 128  # ptxas cap: 128 keeps 4 programs of 4 warps per SM (no spills at d=128)
+    # ptxas cap: 96 fits 5 programs of 4 warps per SM (128 fitted 4) with no spills in the INT4 loop at d=128;
+    # the kernel is latency bound, so the 5th program pays (H200: 24 of 26 table shapes faster, v4 in NOTES.md)
+    max_registers: int | None = 96
+    # Per-step host state the launcher fills on first use (workspaces, the per-layer launch arguments): not
+    # part of the plan's identity, and ``dataclasses.replace`` starts a new one.
+    _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def batch_size(self) -> int:
@@ -283,6 +290,74 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
                       num_splits, chunk, block_n, num_warps, num_stages, prefetch)
 
 
+_LAUNCHED: dict = {}  # specialisation key -> Triton CompiledKernel (see _launch_decode)
+_FAST = [True]  # cleared (for good) if the direct launch ever rejects its arguments
+
+
+def _launch_decode(grid, args, ptrs, constexprs, options, key):
+    """Launch ``_decode_kernel``; after the first launch of a specialisation, straight through the compiled
+    kernel's launcher. Triton's ``kernel[grid](...)`` re-binds and re-specialises all 32 arguments on every
+    call, and its launcher asks the driver about every tensor argument (``cuPointerGetAttribute``): tens of
+    microseconds of host time per launch, which bound the small decode shapes. The direct launch passes the
+    pointers as integers (``ptrs``: device allocations, the same addresses the driver would return).
+    ``key`` holds everything Triton specialises on (argument dtypes, constexprs, launch options, the integer
+    argument ``chunk``'s divisibility); the caller passes a key only when every pointer is 16-byte aligned,
+    which the first launch then also saw: the cached kernel is the one Triton would pick."""
+    kernel = _LAUNCHED.get(key) if key is not None and _FAST[0] else None
+    if kernel is not None and knobs.runtime.launch_enter_hook is None:
+        try:
+            stream = driver.active.get_current_stream(args[0].device.index)
+            kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *ptrs(),
+                       *args[len(args) - 3:], *constexprs.values())
+            return
+        except (TypeError, ValueError, AttributeError):  # the launcher's argument parsing: Triton's own path
+            _LAUNCHED.clear()
+            _FAST[0] = False
+            key = None
+    kernel = _decode_kernel[grid](*args, **constexprs, **options)
+    if key is not None and _FAST[0] and kernel is not None and hasattr(kernel, "packed_metadata"):
+        if list(constexprs) != _decode_kernel.arg_names[len(args):]:
+            raise AssertionError("kv4_decode: constexprs out of the kernel's parameter order")
+        _LAUNCHED[key] = kernel
+
+
+def _cache_args(cache: KV4LayerCache, plan: DecodePlan) -> tuple:
+    """The cache's 8 kernel arguments (meta as 32-bit words, contiguous), made once per (plan, layer)."""
+    c = cache
+    tensors = (c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale)
+    key = ("cache", *map(id, tensors))  # the entry holds the tensors, so their ids stay unique
+    hit = plan._host.get(key)
+    if hit is None:
+        k_w, v_w = meta_words(c.k_meta), meta_words(c.v_meta)
+        t = tuple(x if x.is_contiguous() else x.contiguous()  # strides are compile-time constants of the kernel
+                  for x in (c.k_codes, k_w, c.v_codes, v_w, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale))
+        off64 = c.k_codes.numel() > 2**31 or k_w.numel() > 2**31  # offsets < numel
+        ptrs = tuple(x.data_ptr() for x in t)
+        hit = plan._host[key] = (t, off64, all(p % 16 == 0 for p in ptrs), ptrs, tensors)
+    return hit
+
+
+def _workspace(plan: DecodePlan, bsz: int, hq: int, hkv: int, d: int, device) -> tuple:
+    """Partial outputs / LSEs of the splits and a scratch LSE, shared by the layers of one step (launches on
+    one stream run in order, and each launch consumes its partials before it ends)."""
+    key = ("ws", bsz, hq, hkv, d, str(device))
+    hit = plan._host.get(key)
+    if hit is None:
+        parts = plan.num_splits + 1
+        ws = (torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=device),
+              torch.empty(bsz, hq, parts, dtype=torch.float32, device=device),
+              torch.empty(bsz, hq, dtype=torch.float32, device=device),
+              device_hadamard(d, device), ticket_counters(bsz * hkv, device))
+        part_out, part_lse, lse, hmat, counters = ws
+        # The counters buffer is kept here even if a later, larger batch replaces it in ``ticket_counters``:
+        # it stays zero between launches (each merge resets its own counter).
+        head = tuple(x.data_ptr() for x in (hmat, plan.kv_indptr, plan.kv_indices, plan.side_indptr,
+                                            plan.side_indices))
+        tail = tuple(x.data_ptr() for x in (part_out, part_lse, counters))
+        hit = plan._host[key] = (*ws, head, tail, all(p % 16 == 0 for p in head + tail + (lse.data_ptr(),)))
+    return hit
+
+
 def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_scale: float | None = None,
                rotate: bool = True, return_lse: bool = False):
     """One decode step of one layer: ``q [B, Hq, D]`` -> ``out [B, Hq, D]`` (q's dtype, fp32
@@ -295,24 +370,25 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
     group = hq // hkv
     sm_scale = sm_scale if sm_scale is not None else d ** -0.5
     q = q.contiguous()
-    parts = plan.num_splits + 1
-    part_out = torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(bsz, hq, parts, dtype=torch.float32, device=q.device)
+    t, off64, cache_aligned, cache_ptrs, _ = _cache_args(cache, plan)
+    part_out, part_lse, lse_ws, hmat, counters, head, tail, plan_aligned = _workspace(plan, bsz, hq, hkv, d, q.device)
     out_dtype = torch.float32 if q.dtype == torch.float64 else q.dtype
     out = torch.empty(bsz, hq, d, dtype=out_dtype, device=q.device)
-    lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)
-    c = cache
-    k_w, v_w = meta_words(c.k_meta), meta_words(c.v_meta)
-    t = [x if x.is_contiguous() else x.contiguous()  # strides are compile-time constants of the kernel
-         for x in (c.k_codes, k_w, c.v_codes, v_w, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale)]
-    _decode_kernel[(hkv, parts, bsz)](
-        q, device_hadamard(d, q.device), plan.kv_indptr, plan.kv_indices, plan.side_indptr, plan.side_indices,
-        *t, part_out, part_lse, ticket_counters(bsz * hkv, q.device), out, lse,
-        sm_scale * LOG2E, plan.chunk, FP16_MAGIC,
+    lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else lse_ws
+    asm = use_asm(q.device)
+    args = (q, hmat, plan.kv_indptr, plan.kv_indices, plan.side_indptr, plan.side_indices, *t, part_out, part_lse,
+            counters, out, lse, sm_scale * LOG2E, plan.chunk, FP16_MAGIC)
+    constexprs = dict(  # in the kernel's parameter order (the direct launch passes them positionally)
         HKV=hkv, GROUP=group, BLOCK_H=max(plan.block_h, triton.next_power_of_2(group)), BLOCK_N=plan.block_n,
-        HALF=d // 2, NUM_SPLITS=plan.num_splits, PREFETCH=plan.prefetch, USE_ASM=use_asm(q.device),
-        OFF64=c.k_codes.numel() > 2**31 or k_w.numel() > 2**31, ROTATE=rotate,  # offsets < numel
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **({"maxnreg": plan.max_registers} if plan.max_registers else {}),
-    )
+        HALF=d // 2, NUM_SPLITS=plan.num_splits, PREFETCH=plan.prefetch, USE_ASM=asm, OFF64=off64, ROTATE=rotate)
+    options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages,
+                   **({"maxnreg": plan.max_registers} if plan.max_registers else {}))
+    key = None
+    q_ptr = q.data_ptr()
+    if asm and cache_aligned and plan_aligned and q_ptr % 16 == 0:  # out and a fresh lse: new allocations
+        key = (q.device.index, q.dtype, out_dtype, plan.kv_indices.dtype, plan.side_indices.dtype, plan.chunk % 16,
+               plan.chunk == 1, *constexprs.values(), *options.items())
+    _launch_decode((hkv, plan.num_splits + 1, bsz), args,
+                   lambda: (q_ptr, *head, *cache_ptrs, *tail, out.data_ptr(), lse.data_ptr()),
+                   constexprs, options, key)
     return (out, lse / LOG2E) if return_lse else out
