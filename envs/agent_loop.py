@@ -12,6 +12,7 @@ concurrently (asyncio) against one engine, which batches their steps.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -70,12 +71,23 @@ class Episode:
     turn_spans: list[tuple[int, Span]] = field(default_factory=list)  # (segment, [start, end)) of completed turns
 
 
+def turn_seed(seed: int, generation: int) -> int:
+    """The sampling seed of an episode's ``generation``-th generation. The engine seeds a fresh
+    generator per request: with the episode's seed on every turn, every turn would draw the
+    same noise, and once contexts look alike (a sliding window after a failed move) the
+    "sampled" command repeats almost surely (81% repeats seen), so rollouts would not be draws
+    from the policy whose logprobs they record. Still a function of the episode's seed."""
+    digest = hashlib.blake2b(f"{seed}:{generation}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % (2**31)
+
+
 class StreamConversation:
     """The episode's stream as the loop and the strategies see it (implements
     ``compaction.Conversation``). Tracks spans in current-stream positions."""
 
     def __init__(self, client: EngineClient, renderer: ChatRenderer, sampling: SamplingParams, stats: EpisodeStats):
         self.client, self.renderer, self.sampling, self.stats = client, renderer, sampling, stats
+        self.generations = 0  # generations so far: each one draws its own sampling noise (``turn_seed``)
         self.sid: int | None = None
         self.tokens: list[int] = []  # every token of the current stream
         self.pending = 0  # trailing tokens whose KV is not computed yet
@@ -105,9 +117,11 @@ class StreamConversation:
     async def assistant(self, max_new_tokens: int) -> tuple[list[int], bool]:
         """Header, then a sampled message; returns (tokens, closed by end-of-turn)."""
         await self.append(self.renderer.assistant_header())
+        seed = None if self.sampling.seed is None else turn_seed(self.sampling.seed, self.generations)
+        self.generations += 1
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.sampling.temperature,
                                 top_p=self.sampling.top_p, top_k=self.sampling.top_k,
-                                stop_token_ids=tuple(self.renderer.eos_ids), seed=self.sampling.seed)
+                                stop_token_ids=tuple(self.renderer.eos_ids), seed=seed)
         gen = await self.client.generate(self.sid, params)
         self.tokens.extend(gen.token_ids)
         self.pending = 1  # everything before the last sampled token has been computed

@@ -9,6 +9,7 @@ into one token-level mean over the whole batch.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -108,8 +109,11 @@ class Trainer:
             mb_weights = weights[start:start + c.micro_batch_records]
             records = [s.record for s in mb]
             scores = score_streams(self.model, records, impl=c.impl)
-            with torch.no_grad():
-                ref_scores = score_streams(self.ref, records, impl=c.impl)
+            if c.kl_coef:
+                with torch.no_grad():
+                    ref_scores = score_streams(self.ref, records, impl=c.impl)
+            else:  # no KL term: the reference forward would only feed a metric (kl_ref = 0)
+                ref_scores = [dataclasses.replace(sc, logprobs=sc.logprobs.detach()) for sc in scores]
             lp, mu, ref, adv, onpolicy = [], [], [], [], []
             padding = torch.zeros((), device=self.device)
             for s, sc, rs, weight in zip(mb, scores, ref_scores, mb_weights, strict=True):
