@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from ports import free_port
 
 from harness.config import load_config
 from harness.loss import group_advantages, policy_loss
@@ -149,8 +150,9 @@ def test_data_parallel_fsdp2_step_equals_one_process(tiny_model_path, tmp_path):
     for procs in (1, 2):
         out = tmp_path / f"w{procs}.pt"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(procs), "--master-port",
-               str(29600 + procs), script, str(tiny_model_path), str(out)]
-        subprocess.run(cmd, cwd=ROOT, env=env, check=True, capture_output=True, timeout=300)
+               str(free_port()), script, str(tiny_model_path), str(out)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
         results[procs] = torch.load(out)
     one, two = results[1], results[2]
     # the global gradient is the same (a missing world-size scaling would halve it) ...
@@ -167,7 +169,8 @@ def test_torchrun_two_ranks_trains_the_same_first_step_as_one_process(tmp_path):
     announces each trainer call; rank 1 follows. Same data, same global gradient."""
     env = {**os.environ, "PYTHONPATH": ROOT}
     run_checked(run_cli(tmp_path / "one", 2), env)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29613"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                str(free_port())]
     run_checked(torchrun + run_cli(tmp_path / "two", 2)[1:], env)
     one, two = ([json.loads(line) for line in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
                 for d in ("one", "two"))

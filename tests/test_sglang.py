@@ -27,6 +27,7 @@ TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
 import sglang_session as script  # noqa: E402
+from ports import free_port  # noqa: E402
 
 
 def sglang_env() -> dict:
@@ -202,14 +203,6 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "ACCEPTED" not in out, out
     assert "--page-size must be 1" in out and "drop --attention-backend" in out and "--kv-cache-dtype" in out
     assert "ok kv4rl 1 True True True 256" in out
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_ready(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
