@@ -161,7 +161,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] | None = None, *, schema: type[Config] = Config):
+    """TOML file + dotted overrides -> ``schema`` (``Config``, or an extension of it such as the demo's)."""
     data: dict = {}
     if path is not None:
         try:
@@ -172,7 +173,7 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{path} is not valid TOML: {e}") from None
     data = apply_overrides(data, overrides or [])
     try:
-        return Config.model_validate(data)
+        return schema.model_validate(data)
     except ValidationError as e:
         lines = [f"  {'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
         raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None

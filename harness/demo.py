@@ -23,7 +23,6 @@ import os
 import shutil
 import sys
 import time
-import tomllib
 from pathlib import Path
 
 # Idle OpenMP workers sleep instead of spinning. The demo shares two cores between the engine,
@@ -32,13 +31,13 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from envs.registry import make_taskset
 from kvstreams_sglang.streams import FullPrecisionPool, KV4Pool
 
 from . import checkpoint
-from .config import Config, ConfigError, Section, TrainerConfig, apply_overrides
+from .config import Config, ConfigError, Section, TrainerConfig, load_config
 from .evaluate import EvalResult, episode_config, evaluate, make_engine
 from .metrics import MetricsLog
 from .run import prepare_model, resolve_device, run
@@ -60,17 +59,7 @@ class DemoConfig(Config):
 
 
 def load_demo_config(path: str | Path | None = None, overrides: list[str] | None = None) -> DemoConfig:
-    path = Path(path or DEFAULT_CONFIG)
-    try:
-        data = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    data = apply_overrides(data, overrides or [])
-    try:
-        return DemoConfig.model_validate(data)
-    except ValidationError as e:
-        lines = [f"  {'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
-        raise ConfigError(f"invalid config {path}:\n" + "\n".join(lines)) from None
+    return load_config(path or DEFAULT_CONFIG, overrides, schema=DemoConfig)
 
 
 class KVBytes(BaseModel):

@@ -101,7 +101,8 @@ def evict_session_spans(scheduler, session_id: str, spans) -> dict:
 
     slot.kv_committed_len -= len(drop)
     slot.kv_allocated_len -= len(drop)
-    kept_tokens = [t for i, t in enumerate(tokens) if i not in set(drop)]
+    dropped = set(drop)
+    kept_tokens = [t for i, t in enumerate(tokens) if i not in dropped]
     req.origin_input_ids = kept_tokens
     req.origin_input_ids_unpadded = list(kept_tokens)
     req.output_ids = []
