@@ -103,7 +103,7 @@ def timed_ms(fn) -> float:
 
 def parse_alts(text):
     """``name:key=val,key=val;name:...`` -> [(name, {plan_decode kwargs}, {DecodePlan field overrides})]."""
-    fields = {"block_h", "max_registers"}
+    fields = {"block_h", "max_registers", "cuda_min_blocks", "cuda_warps", "cuda_pipe", "cuda_tma"}
     alts = []
     for part in filter(None, (text or "").split(";")):
         name, _, spec = part.partition(":")
@@ -113,6 +113,13 @@ def parse_alts(text):
             (repl if k in fields else kw)[k] = int(v)
         alts.append((name, kw, repl))
     return alts
+
+
+def _uses_cuda(q, plan, hkv, group, d) -> bool:
+    """Whether ``kv4_decode`` runs this plan's INT4 region with the CUDA kernel (decode_cuda.py)."""
+    from kvstreams_sglang.kernels import decode
+
+    return decode._cuda_kernel(q, plan, hkv, group, d, True) is not None
 
 
 def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=True, on_row=None, alts=()):
@@ -153,12 +160,16 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=
                         out = kv4_decode(q.float(), cache, ap)[:nb]
                         aerr = max(aerr, float((out - ref).norm() / ref.norm()))
                 ams = timed_ms(lambda q=q, c=cache, pl=ap: kv4_decode(q, c, pl))
-                alt_rows[aname] = dict(ms=ams, rel_err_vs_ref=aerr, splits=ap.num_splits)
+                acuda = _uses_cuda(q, ap, hkv, hq // hkv, d)
+                alt_rows[aname] = dict(ms=ams, rel_err_vs_ref=aerr, splits=ap.cuda_splits if acuda else ap.num_splits,
+                                       int4_kernel="cuda" if acuda else "triton")
             except Exception as e:  # a variant may not compile or fit
                 alt_rows[aname] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
         nbytes = kv4_bytes(lengths, hq, hkv, d, sink, recent)
+        cuda = _uses_cuda(q, plan, hkv, hq // hkv, d)
         row = dict(shape=name, batch=batch, max_length=max(lengths), mean_length=sum(lengths) / batch,
-                   splits=plan.num_splits, kv4_ms=ms, kv4_tb_s=nbytes / ms / 1e9, kv4_bytes=nbytes,
+                   splits=plan.cuda_splits if cuda else plan.num_splits, int4_kernel="cuda" if cuda else "triton",
+                   kv4_ms=ms, kv4_tb_s=nbytes / ms / 1e9, kv4_bytes=nbytes,
                    bf16_bytes=bf16_bytes(lengths, hq, hkv, d), rel_err_vs_ref=err, alts=alt_rows)
         cache = plan = meta = None
         torch.cuda.empty_cache()
@@ -177,11 +188,12 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=
         nan = float("nan")
         print(f"{name:>14s} B={batch:4d} kv4 {ms:7.4f} ms {row['kv4_tb_s']:5.2f} TB/s | ours-bf16 "
               f"{row.get('ours_bf16_ms', nan):7.4f} | flashinfer {row.get('flashinfer_bf16_ms', nan):7.4f} ms"
-              f" | x{row.get('speedup_vs_flashinfer', nan):.2f} vs FI  err={err}", flush=True)
+              f" | x{row.get('speedup_vs_flashinfer', nan):.2f} vs FI  err={err} {row['int4_kernel']}", flush=True)
         for aname, ar in alt_rows.items():
             fi_ms = row.get("flashinfer_bf16_ms", nan)
             print(f"{'':>14s}   alt {aname:10s} " + (f"{ar['ms']:7.4f} ms x{fi_ms / ar['ms']:.2f} vs FI "
-                                                      f"splits={ar['splits']} err={ar['rel_err_vs_ref']}"
+                                                      f"splits={ar['splits']} err={ar['rel_err_vs_ref']} "
+                                                      f"{ar['int4_kernel']}"
                                                       if "ms" in ar else ar["error"]), flush=True)
         if on_row is not None:
             on_row(rows)
@@ -312,7 +324,11 @@ def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
     device = torch.device("cuda")
     cache, plan, _ = build_kv4_case([length] * batch, hq, hkv, d, 16, 128, device)
     q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
-    parts = dict(kv4_decode=lambda: kv4_decode(q, cache, plan), quantize_query=lambda: kv4_quantize_query(q),
+    import dataclasses
+
+    tri, cu = dataclasses.replace(plan, cuda_int4=0), dataclasses.replace(plan, cuda_int4=1)
+    parts = dict(kv4_decode=lambda: kv4_decode(q, cache, plan), kv4_triton=lambda: kv4_decode(q, cache, tri),
+                 kv4_cuda=lambda: kv4_decode(q, cache, cu), quantize_query=lambda: kv4_quantize_query(q),
                  empty_alloc=lambda: torch.empty(batch, hq, plan.num_splits + 1, d, device=device))
     rows = {}
     for name, fn in parts.items():

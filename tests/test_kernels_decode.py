@@ -66,3 +66,39 @@ def test_decode_kernel_plan_reuse_across_layers(device):
             assert rel_l2(out, ref_out) <= 1e-3
             assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
             assert rel_l2(kv4_decode(q, cache, plan), ref_out) <= 1e-3
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA INT4 kernel runs on a GPU only")
+@pytest.mark.parametrize(
+    "lengths,hkv,splits,dtype,variant",
+    [
+        ([300, 17, 1000, 2500], 8, None, torch.float32, {}),  # tails, an all-INT8 request, several splits
+        ([300, 17, 1000, 2500], 8, 3, torch.bfloat16, {}),  # a non-power-of-two split count, bf16 in and out
+        ([5000], 8, 1, torch.float16, {}),  # one long split (online softmax over 150 tiles)
+        ([300, 17, 200], 2, 2, torch.float32, {}),  # 2 KV heads (2 warps per CTA)
+        ([17, 100], 8, None, torch.float32, {}),  # empty INT4 region everywhere
+        ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_warps=8, cuda_min_blocks=2)),  # 8 warps per CTA
+        ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_pipe=3, cuda_warps=4, cuda_min_blocks=4)),  # cp.async
+        ([300, 17, 1000, 5000], 8, 3, torch.bfloat16,
+         dict(cuda_tma=1, cuda_pipe=3, cuda_warps=8, cuda_min_blocks=2)),  # bulk-copy ring
+        ([300, 17, 1000, 5000], 8, None, torch.float32, dict(cuda_tma=1, cuda_pipe=2, cuda_warps=4, cuda_min_blocks=4)),
+    ],
+)
+def test_decode_cuda_int4_kernel_matches_reference(lengths, hkv, splits, dtype, variant):
+    """The CUDA INT4 kernel (decode_cuda.py; each launch variant) + the Triton side/merge launch equal the torch
+    reference."""
+    import dataclasses
+
+    from kvstreams_sglang.kernels import decode_cuda
+
+    device = torch.device("cuda")
+    cache, meta, _ = filled_cache(lengths, hkv=hkv, seed=len(lengths) + hkv, device=device)
+    q = torch.randn(len(lengths), 4 * hkv, 128, device=device).to(dtype)
+    plan = dataclasses.replace(plan_decode(**meta, num_kv_heads=hkv, cuda_int4=1, cuda_splits=splits), **variant)
+    assert decode_cuda.kernel(hkv, dtype, device, plan.cuda_min_blocks, plan.cuda_warps, plan.cuda_pipe,
+                              plan.cuda_tma) is not None, decode_cuda._STATE.get("errors")
+    ref_out, ref_lse = decode_reference(q.float(), cache, **meta)
+    for _ in range(2):  # the second call takes the cached launch paths
+        out, lse = kv4_decode(q, cache, plan, return_lse=True)
+        assert rel_l2(out.float(), ref_out) <= (1e-3 if dtype == torch.float32 else 1e-2)
+        assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)

@@ -15,6 +15,12 @@ Hadamard basis), keys are INT4 codes ``c`` with per-vector ``scale, offset``, so
 tensor cores and the affine correction is two FMAs per score. Values: ``P V =
 (P * scale_v) c_v + (P . offset_v)``, an fp16 dot on codes plus a per-row sum; PV
 accumulates in fp32. Reference: ``kv4.reference.decode_reference``.
+
+On an H100/H200 the INT4 region can instead run as the CUDA kernel of ``decode_cuda.cu`` (one CTA per (split,
+request) over all KV heads, all reductions inside a warp, a bulk-copy ring in shared memory; bench/NOTES.md v5):
+``kv4_decode`` takes it where the plan selects it (``cuda_int4``; by default from ``CUDA_AUTO_MIN_TOKEN_HEADS``
+INT4 token-heads per step on) and it compiled, and then launches this kernel in its ``SIDE_MERGE`` mode for the
+INT8 side region and the merge. Everywhere else (CPU interpreter, other shapes or dtypes) this kernel does it all.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def _decode_kernel(
     sm_scale_log2, chunk, magic,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, OFF64: tl.constexpr,
-    ROTATE: tl.constexpr,
+    ROTATE: tl.constexpr, SIDE_MERGE: tl.constexpr,
 ):
     # Grid (Hkv, splits + 1, B): the KV heads of one (request, split) are neighbours in launch order, so
     # they walk the same slots together and the 32-byte sector holding all heads' meta words of a slot
@@ -74,8 +80,10 @@ def _decode_kernel(
     stride_sh: tl.constexpr = 2 * HALF
     stride_scs: tl.constexpr = HKV
     stride_sch: tl.constexpr = 1
+    # SIDE_MERGE (grid (Hkv, 1, B), launched after the CUDA INT4 kernel of decode_cuda.py on the same stream):
+    # each program is the side-region part of its (request, KV head) and merges all parts itself, no ticket.
     hk = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(1) + NUM_SPLITS * SIDE_MERGE
     b = tl.program_id(2)
     num_hkv = HKV
     hrow = tl.arange(0, BLOCK_H)
@@ -161,29 +169,40 @@ def _decode_kernel(
     # Ticket: the barrier orders every thread's partial stores before the (gpu-scope, acq_rel) atomic;
     # the program that draws the last ticket sees all parts of its (request, KV head) and merges them.
     tl.debug_barrier()
-    ticket = tl.atomic_add(Counter + b * num_hkv + hk, 1, sem="acq_rel", scope="gpu")
-    if ticket == PARTS - 1:
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        for s in range(PARTS):
-            m = tl.maximum(m, tl.load(PartLse + row * PARTS + s, mask=hmask, other=float("-inf"),
-                                      cache_modifier=".cg"))
-        m = tl.where(m == float("-inf"), 0.0, m)
-        total = tl.zeros([BLOCK_H], tl.float32)
-        out_lo = tl.zeros([BLOCK_H, HALF], tl.float32)
-        out_hi = tl.zeros([BLOCK_H, HALF], tl.float32)
-        for s in range(PARTS):
-            w = tl.exp2(tl.load(PartLse + row * PARTS + s, mask=hmask, other=float("-inf"),
-                                cache_modifier=".cg") - m)  # 0 for empty parts
-            p_ptr = PartOut + (row[:, None] * PARTS + s) * (2 * HALF) + d[None, :]
-            out_lo += w[:, None] * tl.load(p_ptr, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-            out_hi += w[:, None] * tl.load(p_ptr + HALF, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
-            total += w
-        den = tl.where(total > 0, total, 1.0)
-        f_ptr = Out + row[:, None] * (2 * HALF) + d[None, :]
-        tl.store(f_ptr, (out_lo / den[:, None]).to(Out.dtype.element_ty), mask=hmask[:, None])
-        tl.store(f_ptr + HALF, (out_hi / den[:, None]).to(Out.dtype.element_ty), mask=hmask[:, None])
-        tl.store(LseOut + row, tl.where(total > 0, m + tl.log2(den), float("-inf")), mask=hmask)
-        tl.atomic_xchg(Counter + b * num_hkv + hk, 0)  # ready for the next step's launch
+    if SIDE_MERGE:
+        _merge_parts(PartOut, PartLse, Out, LseOut, row, hmask, d, PARTS, BLOCK_H, HALF)
+    else:
+        ticket = tl.atomic_add(Counter + b * num_hkv + hk, 1, sem="acq_rel", scope="gpu")
+        if ticket == PARTS - 1:
+            _merge_parts(PartOut, PartLse, Out, LseOut, row, hmask, d, PARTS, BLOCK_H, HALF)
+            tl.atomic_xchg(Counter + b * num_hkv + hk, 0)  # ready for the next step's launch
+
+
+@triton.jit
+def _merge_parts(PartOut, PartLse, Out, LseOut, row, hmask, d, PARTS: tl.constexpr, BLOCK_H: tl.constexpr,
+                 HALF: tl.constexpr):
+    """Exact log-sum-exp merge of the ``PARTS`` partial states of ``row [BLOCK_H]`` (L2 loads: other programs
+    wrote them)."""
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(PARTS):
+        m = tl.maximum(m, tl.load(PartLse + row * PARTS + s, mask=hmask, other=float("-inf"),
+                                  cache_modifier=".cg"))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    out_lo = tl.zeros([BLOCK_H, HALF], tl.float32)
+    out_hi = tl.zeros([BLOCK_H, HALF], tl.float32)
+    for s in range(PARTS):
+        w = tl.exp2(tl.load(PartLse + row * PARTS + s, mask=hmask, other=float("-inf"),
+                            cache_modifier=".cg") - m)  # 0 for empty parts
+        p_ptr = PartOut + (row[:, None] * PARTS + s) * (2 * HALF) + d[None, :]
+        out_lo += w[:, None] * tl.load(p_ptr, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+        out_hi += w[:, None] * tl.load(p_ptr + HALF, mask=hmask[:, None], other=0.0, cache_modifier=".cg")
+        total += w
+    den = tl.where(total > 0, total, 1.0)
+    f_ptr = Out + row[:, None] * (2 * HALF) + d[None, :]
+    tl.store(f_ptr, (out_lo / den[:, None]).to(Out.dtype.element_ty), mask=hmask[:, None])
+    tl.store(f_ptr + HALF, (out_hi / den[:, None]).to(Out.dtype.element_ty), mask=hmask[:, None])
+    tl.store(LseOut + row, tl.where(total > 0, m + tl.log2(den), float("-inf")), mask=hmask)
 
 
 @triton.jit
@@ -255,6 +274,17 @@ class DecodePlan:
     # ptxas cap: 96 fits 5 programs of 4 warps per SM (128 fitted 4) with no spills in the INT4 loop at d=128;
     # the kernel is latency bound, so the 5th program pays (H200: 24 of 26 table shapes faster, v4 in NOTES.md)
     max_registers: int | None = 96
+    # INT4 region by the CUDA kernel (decode_cuda.py; GPU only, d=128, GQA group 4): -1 auto (taken where it won
+    # on the H200, see cuda_auto_min_tokens), 0 never, 1 whenever supported. Its own split layout: one CTA per
+    # (split, request) over all KV heads, cuda_splits INT4 splits of cuda_chunk slots (a multiple of 32).
+    cuda_int4: int = -1
+    cuda_splits: int = 1
+    cuda_chunk: int = 32
+    cuda_min_blocks: int = 2  # __launch_bounds__ min CTAs per SM (2 of 8 warps: 128 registers, no spills)
+    cuda_warps: int = 8  # KV heads (warps) per CTA, 0: all
+    cuda_tma: int = 1  # 1: the ring is one per CTA, filled by bulk copies (cp.async.bulk, mbarriers); needs cuda_pipe
+    cuda_pipe: int = 2  # 0: next tile prefetched into registers; S >= 2: S-stage cp.async ring in shared memory
+    int4_tokens: int = 0  # INT4 slots of the step (kv_indices' length), for the auto choice
     # Per-step host state the launcher fills on first use (workspaces, the per-layer launch arguments): not
     # part of the plan's identity, and ``dataclasses.replace`` starts a new one.
     _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -267,7 +297,8 @@ class DecodePlan:
 def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: torch.Tensor,
                 side_indices: torch.Tensor, *, num_kv_heads: int, num_splits: int | None = None,
                 block_n: int = 64, target_programs: int = 2048, num_warps: int = 4, num_stages: int = 3,
-                prefetch: bool = False, min_chunk: int = 256) -> DecodePlan:
+                prefetch: bool = False, min_chunk: int = 256, cuda_int4: int = -1, cuda_target_ctas: int | None = None,
+                cuda_min_chunk: int = 256, cuda_splits: int | None = None) -> DecodePlan:
     """Build the decode metadata once per step (one host sync for the longest INT4 list).
 
     ``num_splits`` defaults to enough splits to give ``target_programs`` programs (several
@@ -286,8 +317,16 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
         num_splits = max(1, min(want, max_len // max(min_chunk, block_n)))
         num_splits = 1 << (num_splits.bit_length() - 1)
     chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
+    if cuda_splits is None:  # CUDA kernel: CTAs of all KV heads, 2 per SM; ~2 waves on 132 SMs by default, ~4
+        # when the lengths are uneven (a split is sized by the longest request: more, shorter ones balance the SMs)
+        if cuda_target_ctas is None:
+            cuda_target_ctas = 1056 if kv_indices.numel() < 0.75 * batch * max_len else 528
+        cuda_splits = max(1, min(math.ceil(cuda_target_ctas / max(1, batch)), max_len // cuda_min_chunk))
+        cuda_splits = 1 << (cuda_splits.bit_length() - 1)
+    cuda_chunk = triton.cdiv(triton.cdiv(max(max_len, 1), cuda_splits), 32) * 32
     return DecodePlan(kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
-                      num_splits, chunk, block_n, num_warps, num_stages, prefetch)
+                      num_splits, chunk, block_n, num_warps, num_stages, prefetch, cuda_int4=cuda_int4,
+                      cuda_splits=cuda_splits, cuda_chunk=cuda_chunk, int4_tokens=kv_indices.numel())
 
 
 _LAUNCHED: dict = {}  # specialisation key -> Triton CompiledKernel (see _launch_decode)
@@ -358,10 +397,46 @@ def _workspace(plan: DecodePlan, bsz: int, hq: int, hkv: int, d: int, device) ->
     return hit
 
 
+# Auto choice of the CUDA INT4 kernel: from this many INT4 token-heads per step on (H200 table, v5 in NOTES.md).
+CUDA_AUTO_MIN_TOKEN_HEADS = 1 << 19
+
+
+def _cuda_plan(plan: DecodePlan) -> DecodePlan:
+    """The plan with the CUDA kernel's split layout (the Triton side/merge launch and the workspaces follow it)."""
+    hit = plan._host.get("cuda_plan")
+    if hit is None:
+        import dataclasses
+
+        hit = plan._host["cuda_plan"] = dataclasses.replace(plan, num_splits=plan.cuda_splits,
+                                                            chunk=plan.cuda_chunk, cuda_int4=0)
+    return hit
+
+
+def _cuda_kernel(q: torch.Tensor, plan: DecodePlan, hkv: int, group: int, d: int, rotate: bool):
+    """The CUDA INT4 kernel when the plan selects it and it runs here, else None (Triton kernel). Decided once
+    per (plan, query dtype and device, shape)."""
+    if plan.cuda_int4 == 0 or q.device.type != "cuda":
+        return None
+    key = ("cuda_fn", q.dtype, q.device.index, hkv, group, d)
+    if key in plan._host:
+        return plan._host[key]
+    fn = None
+    if plan.cuda_int4 > 0 or plan.int4_tokens * hkv >= CUDA_AUTO_MIN_TOKEN_HEADS:
+        from . import decode_cuda
+
+        if decode_cuda.supported(q, hkv, group, d, plan.kv_indices):
+            fn = decode_cuda.kernel(hkv, q.dtype, q.device, plan.cuda_min_blocks, plan.cuda_warps, plan.cuda_pipe,
+                                    plan.cuda_tma)
+    plan._host[key] = fn
+    return fn
+
+
 def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_scale: float | None = None,
                rotate: bool = True, return_lse: bool = False):
     """One decode step of one layer: ``q [B, Hq, D]`` -> ``out [B, Hq, D]`` (q's dtype, fp32
-    for fp64 input); with ``return_lse`` also the natural-log LSE ``[B, Hq]``."""
+    for fp64 input); with ``return_lse`` also the natural-log LSE ``[B, Hq]``.
+    Where the plan selects it (``cuda_int4``) and it is available, the INT4 region runs as the CUDA kernel of
+    ``decode_cuda.py`` and the Triton kernel adds the INT8 side region and merges (two launches)."""
     bsz, hq, d = q.shape
     hkv = cache.num_kv_heads
     if hq % hkv or d != cache.head_dim or bsz != plan.batch_size:
@@ -370,8 +445,15 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
     group = hq // hkv
     sm_scale = sm_scale if sm_scale is not None else d ** -0.5
     q = q.contiguous()
-    t, off64, cache_aligned, cache_ptrs, _ = _cache_args(cache, plan)
-    part_out, part_lse, lse_ws, hmat, counters, head, tail, plan_aligned = _workspace(plan, bsz, hq, hkv, d, q.device)
+    cuda_fn = _cuda_kernel(q, plan, hkv, group, d, rotate)
+    for cand in ((_cuda_plan(plan), plan) if cuda_fn is not None else (plan,)):
+        t, off64, cache_aligned, cache_ptrs, _ = _cache_args(cache, cand)
+        part_out, part_lse, lse_ws, hmat, counters, head, tail, plan_aligned = _workspace(cand, bsz, hq, hkv, d,
+                                                                                          q.device)
+        if cuda_fn is None or (cache_aligned and plan_aligned and q.data_ptr() % 16 == 0):
+            break
+        cuda_fn = None  # the CUDA kernel's vector loads need 16-byte aligned tensors: the Triton kernel instead
+    plan = cand
     out_dtype = torch.float32 if q.dtype == torch.float64 else q.dtype
     out = torch.empty(bsz, hq, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else lse_ws
@@ -380,7 +462,8 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
             counters, out, lse, sm_scale * LOG2E, plan.chunk, FP16_MAGIC)
     constexprs = dict(  # in the kernel's parameter order (the direct launch passes them positionally)
         HKV=hkv, GROUP=group, BLOCK_H=max(plan.block_h, triton.next_power_of_2(group)), BLOCK_N=plan.block_n,
-        HALF=d // 2, NUM_SPLITS=plan.num_splits, PREFETCH=plan.prefetch, USE_ASM=asm, OFF64=off64, ROTATE=rotate)
+        HALF=d // 2, NUM_SPLITS=plan.num_splits, PREFETCH=plan.prefetch, USE_ASM=asm, OFF64=off64, ROTATE=rotate,
+        SIDE_MERGE=cuda_fn is not None)
     options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages,
                    **({"maxnreg": plan.max_registers} if plan.max_registers else {}))
     key = None
@@ -388,7 +471,17 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
     if asm and cache_aligned and plan_aligned and q_ptr % 16 == 0:  # out and a fresh lse: new allocations
         key = (q.device.index, q.dtype, out_dtype, plan.kv_indices.dtype, plan.side_indices.dtype, plan.chunk % 16,
                plan.chunk == 1, *constexprs.values(), *options.items())
-    _launch_decode((hkv, plan.num_splits + 1, bsz), args,
+    if cuda_fn is not None:
+        lkey = ("cuda_launch", cache_ptrs, id(cuda_fn), sm_scale, rotate)
+        launcher = plan._host.get(lkey)
+        if launcher is None:
+            from . import decode_cuda
+
+            launcher = plan._host[lkey] = decode_cuda.Launcher(
+                cuda_fn, (plan.num_splits, bsz), hkv, (q_ptr, head[1], head[2], *cache_ptrs[:4], tail[0], tail[1]),
+                plan.chunk, plan.num_splits + 1, sm_scale * LOG2E, FP16_MAGIC, rotate)
+        launcher(q_ptr, driver.active.get_current_stream(q.device.index))
+    _launch_decode((hkv, 1 if cuda_fn is not None else plan.num_splits + 1, bsz), args,
                    lambda: (q_ptr, *head, *cache_ptrs, *tail, out.data_ptr(), lse.data_ptr()),
                    constexprs, options, key)
     return (out, lse / LOG2E) if return_lse else out

@@ -1,0 +1,148 @@
+"""The INT4 region of the KV4 decode as a CUDA kernel (``decode_cuda.cu``), compiled at run time by NVRTC.
+
+GPU only: the Triton kernel (``decode._decode_kernel``) stays the reference implementation and the CPU-tested
+path. ``kv4_decode`` takes this kernel for the INT4 splits when ``available()`` and the plan selects it, then
+runs the Triton kernel in its ``SIDE_MERGE`` mode (INT8 side region + merge of all parts). Everything here is
+plain ctypes over ``libnvrtc`` (compile to a cubin for the device's architecture) and ``libcuda`` (module load,
+launch on PyTorch's current stream): no build step, no extra package. Any failure to find or compile makes
+``available()`` false, and the caller falls back to the Triton kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+import torch
+
+_SRC = os.path.join(os.path.dirname(__file__), "decode_cuda.cu")
+_STATE: dict = {}
+STAGE_BYTES = 4608  # decode_cuda.cu: one warp's tile in the cp.async ring
+QTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _load_lib(names, patterns):
+    """A library by path (``patterns``, first match; its directory's ``*-builtins`` libraries are loaded first,
+    globally: NVRTC opens ``libnvrtc-builtins`` by name) or else by soname (``names``)."""
+    for pat in patterns:
+        for path in sorted(glob.glob(pat), reverse=True):
+            if "builtins" in path or "alt" in os.path.basename(path):
+                continue
+            try:
+                for dep in glob.glob(os.path.join(os.path.dirname(path), "*-builtins.so*")):
+                    if "alt" not in os.path.basename(dep):
+                        ctypes.CDLL(dep, mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(path)
+            except OSError:
+                pass
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    raise OSError(f"none of {names} found")
+
+
+def _libs():
+    if "libs" not in _STATE:
+        roots = [os.path.join(p, "nvidia") for p in sys.path if os.path.isdir(os.path.join(p, "nvidia"))]
+        pats = [os.path.join(r, "*", "lib", "libnvrtc.so*") for r in roots]
+        pats += [os.path.join(r, "*", "*", "lib", "libnvrtc.so*") for r in roots]
+        pats += ["/usr/local/cuda/lib64/libnvrtc.so*", "/usr/local/cuda*/targets/*/lib/libnvrtc.so*"]
+        nvrtc = _load_lib(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], pats)
+        cuda = _load_lib(["libcuda.so.1", "libcuda.so"], [])
+        cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                        ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_void_p]
+        _STATE["libs"] = (nvrtc, cuda)
+    return _STATE["libs"]
+
+
+def _compile(hkv: int, qtype: int, device: torch.device, min_blocks: int, warps: int, pipe: int, tma: int):
+    """cubin for ``device``'s architecture -> loaded CUfunction (per device, HKV, query dtype, occupancy)."""
+    nvrtc, cuda = _libs()
+    major, minor = torch.cuda.get_device_capability(device)
+    src = open(_SRC, "rb").read()
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"decode_cuda.cu", 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    defines = dict(HKV=hkv, QTYPE=qtype, MIN_BLOCKS=min_blocks, WARPS=warps, PIPE=pipe, TMA=tma)
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]
+    opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    if rc:
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[:2000]}")
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    cubin = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetCUBIN(prog, cubin)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    torch.cuda.current_device()  # the primary context is current on this thread
+    with torch.cuda.device(device):
+        torch.zeros(1, device=device)
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        if cuda.cuModuleLoadData(ctypes.byref(mod), cubin):
+            raise RuntimeError("cuModuleLoadData failed")
+        if cuda.cuModuleGetFunction(ctypes.byref(fn), mod, b"kv4_int4_splits"):
+            raise RuntimeError("cuModuleGetFunction failed")
+        if tma:  # decode_cuda.cu: PIPE stages of STAGE_T bytes, then one 8-byte mbarrier per stage
+            smem = pipe * (2 * 32 * (warps * 64 + 16) + 2 * 32 * warps * 4) + 8 * pipe
+        else:
+            smem = warps * (pipe * STAGE_BYTES if pipe else 512)
+        if smem > 48 * 1024 and cuda.cuFuncSetAttribute(fn, 8, ctypes.c_int(smem)):  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+            raise RuntimeError("cuFuncSetAttribute failed")
+    return fn, mod, smem
+
+
+def kernel(hkv: int, q_dtype: torch.dtype, device: torch.device, min_blocks: int = 2, warps: int = 0, pipe: int = 0,
+           tma: int = 0):
+    """The loaded kernel (CTAs of ``warps`` KV heads, all by default), or None where NVRTC/libcuda are missing or
+    compilation failed (then never retried)."""
+    warps = warps if warps and hkv % warps == 0 else hkv
+    if tma and (pipe < 2 or warps < 4 or torch.cuda.get_device_capability(device) < (9, 0)):
+        tma, pipe = 0, 0  # bulk copies need sm_90, 16-byte meta rows (4 heads) and 2+ stages: register prefetch
+    key = (str(device), hkv, q_dtype, min_blocks, warps, pipe, tma)
+    if key not in _STATE:
+        try:
+            _STATE[key] = (*_compile(hkv, QTYPES[q_dtype], device, min_blocks, warps, pipe, tma), warps)
+        except Exception as e:  # fall back to the Triton kernel
+            _STATE[key] = None
+            _STATE.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
+    return _STATE[key]
+
+
+def supported(q: torch.Tensor, hkv: int, group: int, d: int, kv_indices: torch.Tensor) -> bool:
+    """Shapes the CUDA kernel is written for (the launcher also needs 16-byte aligned pointers)."""
+    return (q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1" and q.dtype in QTYPES and d == 128
+            and group == 4 and 1 <= hkv <= 16 and kv_indices.dtype == torch.int32
+            and torch.cuda.get_device_capability(q.device) >= (8, 0))
+
+
+class Launcher:
+    """One layer's CUDA launch with its arguments packed once: only the query pointer and the stream change per
+    call (ctypes argument packing is most of the host cost of a small launch)."""
+
+    def __init__(self, fn, grid, hkv: int, ptrs, chunk: int, parts: int, sm_scale_log2: float, magic: int,
+                 rotate: bool):
+        """``ptrs``: Q, KvIndptr, KvIndices, KCodes, KMeta32, VCodes, VMeta32, PartOut, PartLse (device addresses)."""
+        _, self.cuda = _libs()
+        self.fn, warps, self.smem = fn[0], fn[3], fn[2]
+        self.dims = (hkv // warps, grid[0], grid[1], 32 * warps, 1, 1)
+        self.vals = [ctypes.c_uint64(p) for p in ptrs] + [ctypes.c_int(chunk), ctypes.c_int(parts),
+                                                          ctypes.c_float(sm_scale_log2), ctypes.c_uint(magic),
+                                                          ctypes.c_int(int(rotate))]
+        self.params = (ctypes.c_void_p * len(self.vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
+                                                           for v in self.vals])
+
+    def __call__(self, q_ptr: int, stream: int) -> None:
+        self.vals[0].value = q_ptr
+        rc = self.cuda.cuLaunchKernel(self.fn, *self.dims, self.smem, stream, self.params, None)
+        if rc:
+            raise RuntimeError(f"cuLaunchKernel failed: CUresult {rc}")
