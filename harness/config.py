@@ -80,12 +80,16 @@ class OrchestratorConfig(Section):
 
 class TrainerConfig(Section):
     lr: float = Field(1e-6, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up (optimizer steps)")
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     kl_coef: float = Field(0.001, ge=0)
     tis_cap: float = Field(5.0, gt=0, description="truncated importance sampling cap C")
     clip_eps: float = Field(0.2, gt=0)
+    loss_norm: Literal["token", "sequence"] = Field(
+        "token", description="token: every loss token of the batch weighs the same (DAPO); sequence: every rollout "
+                             "weighs the same, its tokens share it (GRPO)")
     micro_batch_records: int = Field(4, ge=1, description="records packed per forward (attention is quadratic "
                                                           "in the packed length on the dense CPU path)")
     impl: Literal["auto", "sdpa", "flex"] = "auto"

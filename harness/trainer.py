@@ -29,7 +29,7 @@ from trainer_masks import StreamRecord, score_streams
 from trainer_masks.lm_head import decoder
 
 from .config import TrainerConfig
-from .loss import policy_loss
+from .loss import policy_loss, token_weights
 
 
 @dataclass
@@ -88,19 +88,20 @@ class Trainer:
         ``samples[r::world]``; the loss is a mean over the *global* loss tokens, scaled by
         the world size because FSDP averages gradients over ranks."""
         c = self.config
-        total = sum(sum(s.record.loss_mask) for s in samples)
-        if total == 0:
+        lengths = [sum(s.record.loss_mask) for s in samples]
+        if sum(lengths) == 0:
             return {"loss_tokens": 0.0}
+        per_token = token_weights(lengths, c.loss_norm)
         world, rank = dist.get_world_size(), dist.get_rank()
         # every rank must run the same number of forwards (FSDP's collectives); short ranks
         # repeat a sample with zero weight
         per_rank = -(-len(samples) // world)
         local = samples[rank::world]
-        weights = [1.0] * len(local) + [0.0] * (per_rank - len(local))
+        weights = per_token[rank::world] + [0.0] * (per_rank - len(local))
         local = local + [samples[0]] * (per_rank - len(local))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("mismatch_abs", "mismatch_kl_k3", "tis_clipped", "kl_ref", "tokens",
+        sums = dict.fromkeys(("mismatch_abs", "mismatch_kl_k3", "tis_clipped", "kl_ref", "tokens", "entropy",
                               "onpolicy_mismatch_abs", "onpolicy_tokens"), 0.0)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -114,7 +115,8 @@ class Trainer:
                     ref_scores = score_streams(self.ref, records, impl=c.impl)
             else:  # no KL term: the reference forward would only feed a metric (kl_ref = 0)
                 ref_scores = [dataclasses.replace(sc, logprobs=sc.logprobs.detach()) for sc in scores]
-            lp, mu, ref, adv, onpolicy = [], [], [], [], []
+            lp, mu, ref, adv, tok_w, onpolicy = [], [], [], [], [], []
+            entropy = 0.0
             padding = torch.zeros((), device=self.device)
             for s, sc, rs, weight in zip(mb, scores, ref_scores, mb_weights, strict=True):
                 if weight == 0.0:
@@ -123,9 +125,11 @@ class Trainer:
                 idx = torch.tensor([i for i, m in enumerate(s.record.loss_mask) if m], dtype=torch.long,
                                    device=self.device)
                 lp.append(sc.logprobs[idx])
+                entropy = entropy + float(sc.entropy[idx].detach().sum())
                 ref.append(rs.logprobs[idx])
                 mu.append(torch.tensor([s.record.logprobs[i] for i in idx.tolist()], device=self.device))
                 adv.append(torch.full((len(idx),), s.advantage, device=self.device))
+                tok_w.append(torch.full((len(idx),), weight, device=self.device))
                 # tokens sampled by the weights being trained now: their mismatch is the pure
                 # sampler/trainer numeric gap (kernels, KV quantisation), no policy lag in it
                 onpolicy.append(torch.tensor([s.record.policy_versions[i] == self.step_count for i in idx.tolist()],
@@ -133,15 +137,18 @@ class Trainer:
             if not lp:
                 padding.backward()
                 continue
-            terms = policy_loss(torch.cat(lp), torch.cat(mu), torch.cat(ref), torch.cat(adv), tis_cap=c.tis_cap,
-                                clip_eps=c.clip_eps, kl_coef=c.kl_coef, total_tokens=total)
+            terms = policy_loss(torch.cat(lp), torch.cat(mu), torch.cat(ref), torch.cat(adv), torch.cat(tok_w),
+                                tis_cap=c.tis_cap, clip_eps=c.clip_eps, kl_coef=c.kl_coef)
             (terms.loss * world + padding).backward()
             for k, v in terms.sums.items():
                 sums[k] += v
+            sums["entropy"] += entropy
             on = torch.cat(onpolicy)
             sums["onpolicy_mismatch_abs"] += float((torch.cat(lp).detach() - torch.cat(mu))[on].abs().sum())
             sums["onpolicy_tokens"] += float(on.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.lr_at(self.step_count)
         self.optimizer.step()
         self.step_count += 1
         if world > 1:  # metrics over the global batch
@@ -150,7 +157,8 @@ class Trainer:
             dist.all_reduce(t)
             sums = dict(zip(keys, t.tolist(), strict=True))
         n = max(sums.get("tokens", 1.0), 1.0)
-        out = {"loss_tokens": n, "mismatch_abs": sums["mismatch_abs"] / n, "mismatch_kl": sums["mismatch_kl_k3"] / n,
+        out = {"lr": self.lr_at(self.step_count - 1), "entropy": sums["entropy"] / n,
+               "loss_tokens": n, "mismatch_abs": sums["mismatch_abs"] / n, "mismatch_kl": sums["mismatch_kl_k3"] / n,
                "tis_clip_frac": sums["tis_clipped"] / n, "kl_ref": sums["kl_ref"] / n,
                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
         if sums["onpolicy_tokens"]:
@@ -162,6 +170,14 @@ class Trainer:
             dist.all_gather(peaks, peak)
             out.update({f"trainer_peak_mem_gib_rank{r}": float(p) for r, p in enumerate(peaks)})
         return out
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over ``warmup_steps``, then constant. Adam's first steps move every
+        weight by about the full learning rate whatever the gradient's signal-to-noise (the
+        moment estimates are one noisy sample): RL gradients are mostly noise, so full-size
+        early steps drain probability from every sampled token."""
+        w = self.config.warmup_steps
+        return self.config.lr * min(1.0, (step + 1) / w) if w else self.config.lr
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded weights for the inference engine (a collective: every rank calls it).

@@ -13,7 +13,7 @@ import torch
 from ports import free_port
 
 from harness.config import load_config
-from harness.loss import group_advantages, policy_loss
+from harness.loss import group_advantages, policy_loss, token_weights
 from harness.run import main, run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,11 +47,28 @@ def test_group_advantages_are_normalised_within_the_group():
 def test_policy_loss_truncates_importance_weights_and_counts_clips():
     lp = torch.tensor([-1.0, -1.0, -2.0], requires_grad=True)
     mu = torch.tensor([-1.0, -4.0, -2.0])  # token 2: pi/mu = e^3 > C = 5
-    terms = policy_loss(lp, mu, lp.detach(), torch.tensor([1.0, 1.0, -1.0]), tis_cap=5.0, clip_eps=0.2,
-                        kl_coef=0.0, total_tokens=3)
+    terms = policy_loss(lp, mu, lp.detach(), torch.tensor([1.0, 1.0, -1.0]), torch.full((3,), 1 / 3), tis_cap=5.0,
+                        clip_eps=0.2, kl_coef=0.0)
     terms.loss.backward()
     assert terms.sums["tis_clipped"] == 1
     assert lp.grad.tolist() == pytest.approx([-1 / 3, -5 / 3, 1 / 3])  # -w * A / N
+
+
+def test_sequence_normalisation_cancels_the_push_on_shared_tokens():
+    """A short winner (2 tokens, A = +1) and a long loser (6 tokens, A = -1) that use one shared
+    token per turn: per-token normalisation pushes the shared token down (net -4/8 per unit
+    score), per-sequence normalisation leaves it alone."""
+    assert token_weights([2, 6], "token") == [1 / 8, 1 / 8]
+    assert token_weights([2, 0, 6], "sequence") == [1 / 4, 0.0, 1 / 12]
+    for norm, net in (("token", -4 / 8), ("sequence", 0.0)):
+        w = token_weights([2, 6], norm)
+        weights = torch.tensor([w[0]] * 2 + [w[1]] * 6)
+        lp = torch.zeros(8, requires_grad=True)
+        adv = torch.tensor([1.0] * 2 + [-1.0] * 6)
+        policy_loss(lp, lp.detach(), lp.detach(), adv, weights, tis_cap=5.0, clip_eps=0.2, kl_coef=0.0).loss.backward()
+        assert float(-lp.grad.sum()) == pytest.approx(net, abs=1e-6)  # d(objective)/d(shared logit), summed
+    with pytest.raises(ValueError, match="normalisation"):
+        token_weights([1], "batch")
 
 
 @pytest.mark.parametrize("strategy,execution", [
