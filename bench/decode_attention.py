@@ -103,7 +103,8 @@ def timed_ms(fn) -> float:
 
 def parse_alts(text):
     """``name:key=val,key=val;name:...`` -> [(name, {plan_decode kwargs}, {DecodePlan field overrides})]."""
-    fields = {"block_h", "max_registers", "cuda_min_blocks", "cuda_warps", "cuda_pipe", "cuda_tma"}
+    fields = {"block_h", "max_registers", "cuda_min_blocks", "cuda_warps", "cuda_pipe", "cuda_tma", "cuda_fuse",
+              "cuda_issue"}
     alts = []
     for part in filter(None, (text or "").split(";")):
         name, _, spec = part.partition(":")
@@ -327,8 +328,10 @@ def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
     import dataclasses
 
     tri, cu = dataclasses.replace(plan, cuda_int4=0), dataclasses.replace(plan, cuda_int4=1)
+    cu2 = dataclasses.replace(plan, cuda_int4=1, cuda_fuse=0)
     parts = dict(kv4_decode=lambda: kv4_decode(q, cache, plan), kv4_triton=lambda: kv4_decode(q, cache, tri),
-                 kv4_cuda=lambda: kv4_decode(q, cache, cu), quantize_query=lambda: kv4_quantize_query(q),
+                 kv4_cuda=lambda: kv4_decode(q, cache, cu), kv4_cuda_unfused=lambda: kv4_decode(q, cache, cu2),
+                 quantize_query=lambda: kv4_quantize_query(q),
                  empty_alloc=lambda: torch.empty(batch, hq, plan.num_splits + 1, d, device=device))
     rows = {}
     for name, fn in parts.items():

@@ -16,11 +16,13 @@ tensor cores and the affine correction is two FMAs per score. Values: ``P V =
 (P * scale_v) c_v + (P . offset_v)``, an fp16 dot on codes plus a per-row sum; PV
 accumulates in fp32. Reference: ``kv4.reference.decode_reference``.
 
-On an H100/H200 the INT4 region can instead run as the CUDA kernel of ``decode_cuda.cu`` (one CTA per (split,
-request) over all KV heads, all reductions inside a warp, a bulk-copy ring in shared memory; bench/NOTES.md v5):
-``kv4_decode`` takes it where the plan selects it (``cuda_int4``; by default from ``CUDA_AUTO_MIN_TOKEN_HEADS``
-INT4 token-heads per step on) and it compiled, and then launches this kernel in its ``SIDE_MERGE`` mode for the
-INT8 side region and the merge. Everywhere else (CPU interpreter, other shapes or dtypes) this kernel does it all.
+On an H100/H200 the step can instead run as the CUDA kernel of ``decode_cuda.cu`` (one CTA per (split, request)
+over all KV heads, all reductions inside a warp, a bulk-copy ring in shared memory; bench/NOTES.md v5, v6):
+``kv4_decode`` takes it where the plan selects it (``cuda_int4``; by default always when fused, ``cuda_fuse``) and
+it compiled. Fused (v6 default), that one launch also does the INT8 side region (a share per split CTA) and the
+merge; unfused (v5), this kernel follows in its ``SIDE_MERGE`` mode for the side region and the merge (then the
+CUDA kernel is taken from ``CUDA_AUTO_MIN_TOKEN_HEADS`` INT4 token-heads per step on). Everywhere else (CPU
+interpreter, other shapes or dtypes) this kernel does it all.
 """
 
 from __future__ import annotations
@@ -284,6 +286,8 @@ class DecodePlan:
     cuda_warps: int = 8  # KV heads (warps) per CTA, 0: all
     cuda_tma: int = 1  # 1: the ring is one per CTA, filled by bulk copies (cp.async.bulk, mbarriers); needs cuda_pipe
     cuda_pipe: int = 2  # 0: next tile prefetched into registers; S >= 2: S-stage cp.async ring in shared memory
+    cuda_fuse: int = 1  # 1: the CUDA kernel also does the INT8 side region and the merge (one launch per step, v6)
+    cuda_issue: int = 1  # bulk-copy producers: 1 uniform-operand code copies + cp.async meta (v6), 0 as v5
     int4_tokens: int = 0  # INT4 slots of the step (kv_indices' length), for the auto choice
     # Per-step host state the launcher fills on first use (workspaces, the per-layer launch arguments): not
     # part of the plan's identity, and ``dataclasses.replace`` starts a new one.
@@ -317,12 +321,15 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
         num_splits = max(1, min(want, max_len // max(min_chunk, block_n)))
         num_splits = 1 << (num_splits.bit_length() - 1)
     chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
-    if cuda_splits is None:  # CUDA kernel: CTAs of all KV heads, 2 per SM; ~2 waves on 132 SMs by default, ~4
-        # when the lengths are uneven (a split is sized by the longest request: more, shorter ones balance the SMs)
-        if cuda_target_ctas is None:
-            cuda_target_ctas = 1056 if kv_indices.numel() < 0.75 * batch * max_len else 528
-        cuda_splits = max(1, min(math.ceil(cuda_target_ctas / max(1, batch)), max_len // cuda_min_chunk))
-        cuda_splits = 1 << (cuda_splits.bit_length() - 1)
+    if cuda_splits is None:  # CUDA kernel: CTAs of all KV heads, up to 2 per SM (132 SMs on the H200)
+        if cuda_target_ctas is None and kv_indices.numel() >= 0.75 * batch * max_len:
+            # even lengths (v6 split sweep, bench/NOTES.md): the fewest splits that give >= 128 CTAs, at least 2
+            # (at most one CTA per SM pulls the bandwidth; fewer, longer CTAs pay less prologue, ring fill, merge)
+            cuda_splits = max(1, min(max(2, math.ceil(128 / max(1, batch))), max_len // cuda_min_chunk))
+        else:  # uneven lengths: a split is sized by the longest request, more, shorter ones balance the SMs (v5)
+            cuda_target_ctas = cuda_target_ctas or 1056
+            cuda_splits = max(1, min(math.ceil(cuda_target_ctas / max(1, batch)), max_len // cuda_min_chunk))
+            cuda_splits = 1 << (cuda_splits.bit_length() - 1)
     cuda_chunk = triton.cdiv(triton.cdiv(max(max_len, 1), cuda_splits), 32) * 32
     return DecodePlan(kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
                       num_splits, chunk, block_n, num_warps, num_stages, prefetch, cuda_int4=cuda_int4,
@@ -397,7 +404,8 @@ def _workspace(plan: DecodePlan, bsz: int, hq: int, hkv: int, d: int, device) ->
     return hit
 
 
-# Auto choice of the CUDA INT4 kernel: from this many INT4 token-heads per step on (H200 table, v5 in NOTES.md).
+# Auto choice of the unfused CUDA INT4 kernel (two launches): from this many INT4 token-heads per step on (H200 table,
+# v5 in NOTES.md). The fused kernel (one launch, ~24 us host time) is taken at every size (v6).
 CUDA_AUTO_MIN_TOKEN_HEADS = 1 << 19
 
 
@@ -421,12 +429,12 @@ def _cuda_kernel(q: torch.Tensor, plan: DecodePlan, hkv: int, group: int, d: int
     if key in plan._host:
         return plan._host[key]
     fn = None
-    if plan.cuda_int4 > 0 or plan.int4_tokens * hkv >= CUDA_AUTO_MIN_TOKEN_HEADS:
+    if plan.cuda_int4 > 0 or plan.cuda_fuse or plan.int4_tokens * hkv >= CUDA_AUTO_MIN_TOKEN_HEADS:
         from . import decode_cuda
 
         if decode_cuda.supported(q, hkv, group, d, plan.kv_indices):
             fn = decode_cuda.kernel(hkv, q.dtype, q.device, plan.cuda_min_blocks, plan.cuda_warps, plan.cuda_pipe,
-                                    plan.cuda_tma)
+                                    plan.cuda_tma, plan.cuda_fuse, plan.cuda_issue)
     plan._host[key] = fn
     return fn
 
@@ -435,8 +443,9 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
                rotate: bool = True, return_lse: bool = False):
     """One decode step of one layer: ``q [B, Hq, D]`` -> ``out [B, Hq, D]`` (q's dtype, fp32
     for fp64 input); with ``return_lse`` also the natural-log LSE ``[B, Hq]``.
-    Where the plan selects it (``cuda_int4``) and it is available, the INT4 region runs as the CUDA kernel of
-    ``decode_cuda.py`` and the Triton kernel adds the INT8 side region and merges (two launches)."""
+    Where the plan selects it (``cuda_int4``) and it is available, the CUDA kernel of ``decode_cuda.py`` runs the
+    INT4 region, and with ``cuda_fuse`` (default) also the INT8 side region and the merge in the same launch;
+    unfused, the Triton kernel adds the INT8 side region and merges (two launches)."""
     bsz, hq, d = q.shape
     hkv = cache.num_kv_heads
     if hq % hkv or d != cache.head_dim or bsz != plan.batch_size:
@@ -450,13 +459,30 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
         t, off64, cache_aligned, cache_ptrs, _ = _cache_args(cache, cand)
         part_out, part_lse, lse_ws, hmat, counters, head, tail, plan_aligned = _workspace(cand, bsz, hq, hkv, d,
                                                                                           q.device)
-        if cuda_fn is None or (cache_aligned and plan_aligned and q.data_ptr() % 16 == 0):
+        if cuda_fn is None or (cache_aligned and plan_aligned and q.data_ptr() % 16 == 0 and (
+                not cuda_fn[4] or (t[4].dtype == torch.int8 and t[5].dtype == torch.float16
+                                   and cand.side_indices.dtype == torch.int32))):
             break
         cuda_fn = None  # the CUDA kernel's vector loads need 16-byte aligned tensors: the Triton kernel instead
     plan = cand
     out_dtype = torch.float32 if q.dtype == torch.float64 else q.dtype
     out = torch.empty(bsz, hq, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else lse_ws
+    q_ptr = q.data_ptr()
+    if cuda_fn is not None:
+        lkey = ("cuda_launch", cache_ptrs, id(cuda_fn), sm_scale, rotate)
+        launcher = plan._host.get(lkey)
+        if launcher is None:
+            from . import decode_cuda
+
+            launcher = plan._host[lkey] = decode_cuda.Launcher(
+                cuda_fn, (plan.num_splits, bsz), hkv,
+                (q_ptr, head[1], head[2], *cache_ptrs[:4], tail[0], tail[1], head[3], head[4], *cache_ptrs[4:],
+                 tail[2], 0, 0), plan.chunk, plan.num_splits + (0 if cuda_fn[4] else 1), sm_scale * LOG2E,
+                FP16_MAGIC, rotate)
+        launcher(q_ptr, driver.active.get_current_stream(q.device.index), out.data_ptr(), lse.data_ptr())
+        if cuda_fn[4]:  # fused: side region and merge done in the same launch
+            return (out, lse / LOG2E) if return_lse else out
     asm = use_asm(q.device)
     args = (q, hmat, plan.kv_indptr, plan.kv_indices, plan.side_indptr, plan.side_indices, *t, part_out, part_lse,
             counters, out, lse, sm_scale * LOG2E, plan.chunk, FP16_MAGIC)
@@ -467,20 +493,9 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
     options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages,
                    **({"maxnreg": plan.max_registers} if plan.max_registers else {}))
     key = None
-    q_ptr = q.data_ptr()
     if asm and cache_aligned and plan_aligned and q_ptr % 16 == 0:  # out and a fresh lse: new allocations
         key = (q.device.index, q.dtype, out_dtype, plan.kv_indices.dtype, plan.side_indices.dtype, plan.chunk % 16,
                plan.chunk == 1, *constexprs.values(), *options.items())
-    if cuda_fn is not None:
-        lkey = ("cuda_launch", cache_ptrs, id(cuda_fn), sm_scale, rotate)
-        launcher = plan._host.get(lkey)
-        if launcher is None:
-            from . import decode_cuda
-
-            launcher = plan._host[lkey] = decode_cuda.Launcher(
-                cuda_fn, (plan.num_splits, bsz), hkv, (q_ptr, head[1], head[2], *cache_ptrs[:4], tail[0], tail[1]),
-                plan.chunk, plan.num_splits + 1, sm_scale * LOG2E, FP16_MAGIC, rotate)
-        launcher(q_ptr, driver.active.get_current_stream(q.device.index))
     _launch_decode((hkv, 1 if cuda_fn is not None else plan.num_splits + 1, bsz), args,
                    lambda: (q_ptr, *head, *cache_ptrs, *tail, out.data_ptr(), lse.data_ptr()),
                    constexprs, options, key)

@@ -20,8 +20,10 @@
 //     slots are paired into fp16x2 by PRMT, then 0x6400|n (fp16 1024+n) and one HSUB2/HFMA2: centred codes
 //     n-8 exactly (as the Triton kernel; the 0x6400 magic is a run-time argument so ptxas keeps the trick).
 //   The two slot groups of a query head are merged at the end (lanes t, t^2), and the split's normalised
-//   partial output and log2-domain LSE are written in the Triton kernel's partial layout; the Triton kernel
-//   (SIDE_MERGE mode) then adds the INT8 side region and merges.
+//   partial output and log2-domain LSE are written in the Triton kernel's partial layout. FUSE (v6 default):
+//   each split CTA first takes its share of the INT8 side region into the same softmax state, and the CTA that
+//   finishes last merges the splits (ticket counter): one launch. Otherwise the Triton kernel (SIDE_MERGE mode)
+//   adds the INT8 side region and merges.
 // Tile i+1's codes/meta are loaded into registers before tile i's math, tile i+2's slot ids before that.
 
 typedef unsigned int u32;
@@ -48,6 +50,15 @@ typedef unsigned char u8;
 #define STAGE_BYTES 4608
 #ifndef TMA
 #define TMA 0  // 1: PIPE-stage ring per CTA filled by bulk copies (cp.async.bulk + mbarrier; needs PIPE >= 2, WARPS >= 4)
+#endif
+#ifndef FUSE
+#define FUSE 0  // 1: each split CTA also takes its share (1 / splits) of the request's INT8 side region into the same
+                // online softmax before its INT4 loop (while the ring's first copies are in flight), and the CTA
+                // that finishes its (request, head set) last merges all parts (ticket counter): one launch per step
+#endif
+#ifndef ISSUE
+#define ISSUE 0  // TMA producers: 0 one bulk copy per row of K/V codes and K/V meta, issued lane by lane (v5);
+                 // 1 code copies with uniform operands (redux.sync) from lane 0, meta by 4-byte cp.async per thread
 #endif
 #if TMA
 // Per stage: K rows [32 slots][WARPS heads x 64 B + 16 B pad], V rows likewise, K meta [32][WARPS x 4 B], V meta.
@@ -123,6 +134,23 @@ __device__ __forceinline__ void cp8(u32 dst, const u8* src) {
 __device__ __forceinline__ void cp4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
 }
+__device__ __forceinline__ void cp_arrive_noinc(u32 bar) {  // bar's arrival once this thread's cp.async are done
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" :: "r"(bar) : "memory");
+}
+__device__ __forceinline__ u32 lop_and_xor(u32 a, u32 mask, u32 x) {  // (a & mask) ^ x
+    u32 d; asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(a), "r"(mask), "r"(x)); return d;
+}
+__device__ __forceinline__ float ldcg_f(const float* p) {  // L2 (written by other CTAs of this launch)
+    float r; asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p)); return r;
+}
+__device__ __forceinline__ float4 ldcg_f4(const float* p) {
+    float4 r;
+    asm volatile("ld.global.cg.v4.f32 {%0,%1,%2,%3}, [%4];" : "=f"(r.x), "=f"(r.y), "=f"(r.z), "=f"(r.w) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
+    u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
+}
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 __device__ __forceinline__ uint4 lds16(u32 a) {
@@ -188,7 +216,7 @@ __device__ __forceinline__ void issue_async(u32 st, int lane, int sid, const u8*
 // Producers: every warp copies 32 / WARPS tile rows (one bulk copy each of the row's slot's K and V codes and
 // meta of the CTA's heads; the copy instruction takes uniform operands, so one lane issues them); warp 0 arms the
 // stage's mbarrier with the byte count of the whole tile.
-__device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int sid, const u8* kc, const u8* vc,
+__device__ __forceinline__ void produce_v5(u32 st, u32 bar, int lane, int w_, int sid, const u8* kc, const u8* vc,
                                         const u32* km, const u32* vm) {
     if (w_ == 0 && lane == 0) mbar_expect(bar, 32 * (2 * WARPS * 64 + 2 * META_T));
     const int row = w_ * (32 / WARPS) + (lane & (32 / WARPS - 1));
@@ -200,6 +228,42 @@ __device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int s
         bulk(st + 64 * ROW_T + 32 * META_T + row * META_T, vm + s * HKV, META_T, bar);
     }
 }
+
+#if ISSUE
+// The copy instruction takes uniform operands; a lane-dependent address makes ptxas issue it in a loop over the
+// active lanes. Here the slot id of each of the warp's rows comes out of redux.sync (a uniform register), so
+// lane 0 issues each K / V code copy once; the 32-byte meta rows (2 x 32 per tile) are 4-byte cp.async, one word
+// per thread, whose completion the stage's mbarrier also waits for (cp.async.mbarrier.arrive.noinc: the barrier
+// expects WARPS * 32 such arrivals besides warp 0's expect_tx arrival).
+__device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int sid, const u8* kc, const u8* vc,
+                                        const u32* km, const u32* vm) {
+    constexpr int RPW = 32 / WARPS;  // rows per warp
+    if (w_ == 0 && lane == 0) mbar_expect(bar, 32 * 2 * WARPS * 64);
+    {
+        const int mrow = w_ * RPW + lane / WARPS, mh = lane % WARPS;
+        const size_t ms = (size_t)(unsigned)__shfl_sync(FULL, sid, mrow);
+        cp4(st + 64 * ROW_T + mrow * META_T + mh * 4, km + ms * HKV + mh);
+        cp4(st + 64 * ROW_T + 32 * META_T + mrow * META_T + mh * 4, vm + ms * HKV + mh);
+        cp_arrive_noinc(bar);
+    }
+    const int wu = __reduce_max_sync(FULL, (unsigned)w_);  // the warp index in a uniform register
+    size_t s[RPW];
+#pragma unroll
+    for (int r = 0; r < RPW; ++r) s[r] = __reduce_max_sync(FULL, lane == wu * RPW + r ? (unsigned)sid : 0u);
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < RPW; ++r) {
+            const int row = wu * RPW + r;
+            bulk(st + row * ROW_T, kc + s[r] * SLOT_BYTES, WARPS * 64, bar);
+            bulk(st + 32 * ROW_T + row * ROW_T, vc + s[r] * SLOT_BYTES, WARPS * 64, bar);
+        }
+    }
+}
+#define MBAR_COUNT (WARPS * 32 + 1)
+#else
+#define produce produce_v5
+#define MBAR_COUNT 1
+#endif
 
 __device__ __forceinline__ void read_stage_t(Tile& T, u32 st, int hl, int g, int t) {
     const int gt = t >> 1;
@@ -278,16 +342,198 @@ __device__ __forceinline__ float q_elem(const void* Q, size_t i) {
 #endif
 }
 
+#if FUSE
+// This split's share of the INT8 side region of request b, KV head h (this warp): tiles of 32 side slots loaded
+// straight into registers (the region is at most sink + recent slots), into the same online-softmax state as the
+// INT4 slots (the side values are exact integers: no offset term). The same MMA shapes as the INT4 loop: a thread's K bytes of a slot
+// are dims 16t..16t+15 and 64+16t..64+16t+15, the very k order of the INT4 operand, so the query operand qa / qb
+// serves both; V codes (signed int8) become fp16 by PRMT, then (x & 0xff) ^ 0x80 | 0x6400 = 1152 + x, minus 1152.
+// ``sidx`` [slo, slen): the share's side slot ids; ``sid``: those of its first tile (loaded early by the caller).
+__device__ __forceinline__ void side_region(const int* sidx, int slo, int slen, int sid, const u8* KSide,
+                                            const u16* KSideScale, const u8* VSide, const u16* VSideScale,
+                                            int h, int lane, int g, int t, const u32* qa, const u32* qb,
+                                            const float* qs, u32 magic, float* m, float* l, float (&o)[8][4]) {
+    const int gt = t >> 1;
+    const u32 x1152 = magic + 0x00800080u;  // fp16x2 1152 = 1024 + 128
+    for (int n0 = slo; n0 < slen; n0 += 32) {
+        const int sid_next = n0 + 32 + lane < slen ? sidx[n0 + 32 + lane] : 0;  // in flight during this tile
+        uint4 k8[2][2][2];      // [group][row g / g+8][dims 16t.. / 64+16t..]
+        uint2 v8[2][2][2][2];   // [sigma][group][pair member][dims 8g.. / 64+8g..]
+        float ksc[2], vsc[2];
+#pragma unroll
+        for (int gr = 0; gr < 2; ++gr)
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const size_t s = (size_t)(unsigned)__shfl_sync(FULL, sid, 16 * gr + g + 8 * r);
+                const u8* p = KSide + (s * HKV + h) * 128 + 16 * t;
+                k8[gr][r][0] = ldg16(p);
+                k8[gr][r][1] = ldg16(p + 64);
+            }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const size_t s = (size_t)(unsigned)__shfl_sync(FULL, sid, 16 * gt + g + 8 * r);
+            ksc[r] = h2f(KSideScale[s * HKV + h]);
+            vsc[r] = h2f(VSideScale[s * HKV + h]);
+        }
+#pragma unroll
+        for (int sg = 0; sg < 2; ++sg)
+#pragma unroll
+            for (int gr = 0; gr < 2; ++gr)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const size_t s = (size_t)(unsigned)__shfl_sync(FULL, sid, 16 * gr + 8 * sg + 2 * t + e);
+                    const u8* p = VSide + (s * HKV + h) * 128 + 8 * g;
+                    v8[sg][gr][e][0] = ldg8(p);
+                    v8[sg][gr][e][1] = ldg8(p + 64);
+                }
+        int acc[4] = {0, 0, 0, 0};
+#pragma unroll
+        for (int gr = 0; gr < 2; ++gr) {
+            const u32 w0[8] = {k8[gr][0][0].x, k8[gr][0][0].y, k8[gr][0][0].z, k8[gr][0][0].w,
+                               k8[gr][0][1].x, k8[gr][0][1].y, k8[gr][0][1].z, k8[gr][0][1].w};
+            const u32 w1[8] = {k8[gr][1][0].x, k8[gr][1][0].y, k8[gr][1][0].z, k8[gr][1][0].w,
+                               k8[gr][1][1].x, k8[gr][1][1].y, k8[gr][1][1].z, k8[gr][1][1].w};
+#pragma unroll
+            for (int st = 0; st < 4; ++st)
+                imma(acc, w0[2 * st], w1[2 * st], w0[2 * st + 1], w1[2 * st + 1], gr ? qb[2 * st] : qa[2 * st],
+                     gr ? qb[2 * st + 1] : qa[2 * st + 1]);
+        }
+        float sc[2][2], p[2][2], vs[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const bool valid = n0 + 16 * gt + g + 8 * r < slen;
+            vs[r] = valid ? vsc[r] : 0.f;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) sc[r][c] = valid ? qs[c] * ksc[r] * (float)acc[2 * r + c] : NEG_INF;
+        }
+        float alpha[2];
+        bool grow = false;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+            float mx = fmaxf(sc[0][c], sc[1][c]);
+            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
+            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
+            const float mn = fmaxf(m[c], mx);
+            grow |= mn > m[c];
+            const float ms = mn == NEG_INF ? 0.f : mn;
+            alpha[c] = ex2(m[c] - ms);
+            p[0][c] = ex2(sc[0][c] - ms);
+            p[1][c] = ex2(sc[1][c] - ms);
+            m[c] = mn;
+            l[c] = l[c] * alpha[c] + p[0][c] + p[1][c];
+        }
+        if (__any_sync(FULL, grow)) {
+#pragma unroll
+            for (int i = 0; i < 8; ++i) {
+                o[i][0] *= alpha[0]; o[i][1] *= alpha[1]; o[i][2] *= alpha[0]; o[i][3] *= alpha[1];
+            }
+        }
+        const u32 T0 = movtrans(pack_h2(p[0][0] * vs[0], p[0][1] * vs[0]));
+        const u32 T1 = movtrans(pack_h2(p[1][0] * vs[1], p[1][1] * vs[1]));
+#pragma unroll
+        for (int sg = 0; sg < 2; ++sg) {
+            const u32 T = sg ? T1 : T0;
+            const u32 pb0 = g < 4 ? T : 0u, pb1 = g < 4 ? 0u : T;
+#pragma unroll
+            for (int mt = 0; mt < 8; ++mt) {
+                const int byte0 = 2 * (mt & 3), byte1 = byte0 + 1, half = mt < 4 ? 0 : 1;
+                u32 a[4];
+#pragma unroll
+                for (int q = 0; q < 4; ++q) {
+                    const int gr = q >> 1, bb = q & 1 ? byte1 : byte0;
+                    const uint2 X = v8[sg][gr][0][half], Y = v8[sg][gr][1][half];
+                    const u32 xw = bb < 4 ? X.x : X.y, yw = bb < 4 ? Y.x : Y.y;
+                    const u32 pidx = bb & 3;
+                    const u32 t2 = prmt(xw, yw, pidx | (pidx << 4) | ((4 + pidx) << 8) | ((4 + pidx) << 12));
+                    a[q] = hsub2(lop_and_xor(t2, 0x00FF00FFu, x1152), x1152);
+                }
+                hmma(o[mt], a[0], a[1], a[2], a[3], pb0, pb1);
+            }
+        }
+        sid = sid_next;
+    }
+}
+
+// The CTA that draws the last ticket of its (request, head set) merges the parts of its WARPS * 4 query rows
+// (exact log2-domain LSE merge, as the Triton kernel's _merge_parts) into Out (the query's dtype) and LseOut.
+__device__ __forceinline__ void merge_parts(const float* PartOut, const float* PartLse, int* Counter, void* Out,
+                                            float* LseOut, int b, int parts) {
+    __shared__ int ticket;
+    __threadfence();  // this thread's part stores, visible device-wide before the ticket
+    __syncthreads();
+    int* cnt = Counter + b * gridDim.x + blockIdx.x;
+    if (threadIdx.x == 0) ticket = atomicAdd(cnt, 1);
+    __syncthreads();
+    if (ticket != parts - 1) return;
+    __threadfence();
+    const int rr = threadIdx.x >> 3, seg = threadIdx.x & 7;  // WARPS * 4 rows x 8 segments of 16 dims
+    const size_t row = (size_t)b * (HKV * 4) + blockIdx.x * (WARPS * 4) + rr;
+    float mx = NEG_INF;
+    for (int s = 0; s < parts; ++s) mx = fmaxf(mx, ldcg_f(PartLse + row * parts + s));
+    const float ms = mx == NEG_INF ? 0.f : mx;
+    float acc[16], tot = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    for (int s = 0; s < parts; ++s) {
+        const float w = ex2(ldcg_f(PartLse + row * parts + s) - ms);  // 0 for empty parts
+        tot += w;
+        const float* src = PartOut + (row * parts + s) * 128 + seg * 16;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const float4 v = ldcg_f4(src + 4 * i);
+            acc[4 * i] += w * v.x; acc[4 * i + 1] += w * v.y; acc[4 * i + 2] += w * v.z; acc[4 * i + 3] += w * v.w;
+        }
+    }
+    const float den = tot > 0.f ? tot : 1.f, inv = 1.f / den;
+#if QTYPE == 0
+    float4* dst = (float4*)((float*)Out + row * 128 + seg * 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        dst[i] = make_float4(acc[4 * i] * inv, acc[4 * i + 1] * inv, acc[4 * i + 2] * inv, acc[4 * i + 3] * inv);
+#else
+    u32 w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+#if QTYPE == 1
+        w[i] = pack_bf2(acc[2 * i] * inv, acc[2 * i + 1] * inv);
+#else
+        w[i] = pack_h2(acc[2 * i] * inv, acc[2 * i + 1] * inv);
+#endif
+    uint4* dst = (uint4*)((u16*)Out + row * 128 + seg * 16);
+    dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+    dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+#endif
+    if (seg == 0) LseOut[row] = tot > 0.f ? ms + lg2(den) : NEG_INF;
+    if (threadIdx.x == 0) *cnt = 0;  // ready for the next launch
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, const int* __restrict__ KvIndices,
                 const u8* __restrict__ KCodes, const u32* __restrict__ KMeta,
                 const u8* __restrict__ VCodes, const u32* __restrict__ VMeta,
                 float* __restrict__ PartOut, float* __restrict__ PartLse,
+                const int* __restrict__ SideIndptr, const int* __restrict__ SideIndices,
+                const u8* __restrict__ KSide, const u16* __restrict__ KSideScale,
+                const u8* __restrict__ VSide, const u16* __restrict__ VSideScale,
+                int* __restrict__ Counter, void* __restrict__ Out, float* __restrict__ LseOut,
                 int chunk, int parts, float sm_scale_log2, u32 magic, int rotate)
 {
     extern __shared__ __align__(16) u8 smem[];  // WARPS x WARP_SMEM (dynamic)
     const int lane = threadIdx.x & 31, w_ = threadIdx.x >> 5, h = blockIdx.x * WARPS + w_;
-    const int split = blockIdx.y, b = blockIdx.z;
+    const int b = blockIdx.z;
+    const int split = blockIdx.y;
+#if FUSE
+    // This split's share of the side region (splits = gridDim.y) and its first slot ids, loaded first: the
+    // latency hides behind the query's loads and rotation.
+    const int s_start = SideIndptr[b];
+    const int s_total = SideIndptr[b + 1] - s_start;
+    const int s_per = (s_total + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int s_lo = split * s_per, s_hi = min(s_lo + s_per, s_total);
+    const int* s_idx = SideIndices + s_start;
+    const int s_sid0 = s_lo + (threadIdx.x & 31) < s_hi ? s_idx[s_lo + (threadIdx.x & 31)] : 0;
+#endif
     u8 (*qsm)[128] = (u8 (*)[128])(smem + w_ * WARP_SMEM);  // the query codes; later the warp's ring
     const int g = lane >> 2, t = lane & 3;
 
@@ -366,6 +612,17 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     const u32 a16 = magic - 0x38003800u;     // fp16x2 1/16
     const u32 b72 = magic + 0x70807080u;     // fp16x2 -72
 
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, off[2] = {0.f, 0.f};
+    float o[8][4];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) { o[i][0] = 0.f; o[i][1] = 0.f; o[i][2] = 0.f; o[i][3] = 0.f; }
+#if FUSE
+#define SIDE_SHARE() side_region(s_idx, s_lo, s_hi, s_sid0, KSide, KSideScale, VSide, VSideScale, h, lane, g, t, \
+                                 qa, qb, qs, magic, m, l, o)
+#else
+#define SIDE_SHARE()
+#endif
+    {
     const int start = KvIndptr[b];
     const int len = KvIndptr[b + 1] - start;
     const int lo = split * chunk;
@@ -376,17 +633,12 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     const u32* kmb = KMeta + h;
     const u32* vmb = VMeta + h;
 
-    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f}, off[2] = {0.f, 0.f};
-    float o[8][4];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) { o[i][0] = 0.f; o[i][1] = 0.f; o[i][2] = 0.f; o[i][3] = 0.f; }
-
 #if TMA
     const u32 ring = (u32)__cvta_generic_to_shared(smem);
     const u32 bars = ring + PIPE * STAGE_T;
     if (threadIdx.x == 0) {
 #pragma unroll
-        for (int st = 0; st < PIPE; ++st) mbar_init(bars + 8 * st, 1);
+        for (int st = 0; st < PIPE; ++st) mbar_init(bars + 8 * st, MBAR_COUNT);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
     __syncthreads();  // barriers initialised; every warp has read its query operand (the ring overwrites it)
@@ -404,6 +656,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     int sid_next = lo + 32 * (PIPE - 1) + lane < hi ? idx[lo + 32 * (PIPE - 1) + lane] : 0;
     int stage = 0;
     u32 phase = 0;
+    SIDE_SHARE();
     for (int n0 = lo; n0 < hi; n0 += 32) {
         __syncthreads();  // every warp is done with the stage consumed last tile: refill it
         {
@@ -428,6 +681,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     }
     int sid_next = lo + 32 * (PIPE - 1) + lane < hi ? idx[lo + 32 * (PIPE - 1) + lane] : 0;
     int stage = 0;
+    SIDE_SHARE();
     for (int n0 = lo; n0 < hi; n0 += 32) {
         {
             const int p0 = n0 + 32 * (PIPE - 1);
@@ -447,6 +701,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
         issue(cur, sid, kb, vb, kmb, vmb, g, t);
     }
     int sid_next = lo + 32 + lane < hi ? idx[lo + 32 + lane] : 0;
+    SIDE_SHARE();
     for (int n0 = lo; n0 < hi; n0 += 32) {
         Tile nxt;
         if (n0 + 32 < hi) issue(nxt, sid_next, kb, vb, kmb, vmb, g, t);
@@ -535,6 +790,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
         cur = nxt;
 #endif
     }
+    }  // INT4 region
 
     // ---- merge the two slot groups of each query head (lanes t and t ^ 2), write the split's part ----
 #pragma unroll
@@ -584,4 +840,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
             if (g == 0) PartLse[row * parts_ + split] = any ? M[c] + lg2(L[c]) : NEG_INF;
         }
     }
+#if FUSE
+    merge_parts(PartOut, PartLse, Counter, Out, LseOut, b, parts);
+#endif
 }

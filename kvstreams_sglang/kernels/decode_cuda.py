@@ -1,8 +1,10 @@
 """The INT4 region of the KV4 decode as a CUDA kernel (``decode_cuda.cu``), compiled at run time by NVRTC.
 
 GPU only: the Triton kernel (``decode._decode_kernel``) stays the reference implementation and the CPU-tested
-path. ``kv4_decode`` takes this kernel for the INT4 splits when ``available()`` and the plan selects it, then
-runs the Triton kernel in its ``SIDE_MERGE`` mode (INT8 side region + merge of all parts). Everything here is
+path. ``kv4_decode`` takes this kernel when the plan selects it and it compiled. Fused (``fuse``, the default
+since v6): one launch does it all, the INT4 splits, the INT8 side region (each split CTA takes a share) and the
+merge (the CTA that finishes last); unfused (v5), it does the INT4 splits and the Triton kernel follows in its
+``SIDE_MERGE`` mode (INT8 side region + merge of all parts). Everything here is
 plain ctypes over ``libnvrtc`` (compile to a cubin for the device's architecture) and ``libcuda`` (module load,
 launch on PyTorch's current stream): no build step, no extra package. Any failure to find or compile makes
 ``available()`` false, and the caller falls back to the Triton kernel.
@@ -60,7 +62,8 @@ def _libs():
     return _STATE["libs"]
 
 
-def _compile(hkv: int, qtype: int, device: torch.device, min_blocks: int, warps: int, pipe: int, tma: int):
+def _compile(hkv: int, qtype: int, device: torch.device, min_blocks: int, warps: int, pipe: int, tma: int,
+             fuse: int = 0, issue: int = 0):
     """cubin for ``device``'s architecture -> loaded CUfunction (per device, HKV, query dtype, occupancy)."""
     nvrtc, cuda = _libs()
     major, minor = torch.cuda.get_device_capability(device)
@@ -68,7 +71,8 @@ def _compile(hkv: int, qtype: int, device: torch.device, min_blocks: int, warps:
     prog = ctypes.c_void_p()
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"decode_cuda.cu", 0, None, None):
         raise RuntimeError("nvrtcCreateProgram failed")
-    defines = dict(HKV=hkv, QTYPE=qtype, MIN_BLOCKS=min_blocks, WARPS=warps, PIPE=pipe, TMA=tma)
+    defines = dict(HKV=hkv, QTYPE=qtype, MIN_BLOCKS=min_blocks, WARPS=warps, PIPE=pipe, TMA=tma, FUSE=fuse,
+                   ISSUE=issue)
     opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]
     opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
     arr = (ctypes.c_char_p * len(opts))(*opts)
@@ -102,16 +106,19 @@ def _compile(hkv: int, qtype: int, device: torch.device, min_blocks: int, warps:
 
 
 def kernel(hkv: int, q_dtype: torch.dtype, device: torch.device, min_blocks: int = 2, warps: int = 0, pipe: int = 0,
-           tma: int = 0):
+           tma: int = 0, fuse: int = 0, issue: int = 0):
     """The loaded kernel (CTAs of ``warps`` KV heads, all by default), or None where NVRTC/libcuda are missing or
-    compilation failed (then never retried)."""
+    compilation failed (then never retried). ``fuse``: side region and merge in the same launch; ``issue``: the
+    bulk-copy producers' variant (decode_cuda.cu ISSUE). Returns (function, module, shared bytes, warps, fuse)."""
     warps = warps if warps and hkv % warps == 0 else hkv
     if tma and (pipe < 2 or warps < 4 or torch.cuda.get_device_capability(device) < (9, 0)):
         tma, pipe = 0, 0  # bulk copies need sm_90, 16-byte meta rows (4 heads) and 2+ stages: register prefetch
-    key = (str(device), hkv, q_dtype, min_blocks, warps, pipe, tma)
+    issue = issue if tma else 0
+    key = (str(device), hkv, q_dtype, min_blocks, warps, pipe, tma, fuse, issue)
     if key not in _STATE:
         try:
-            _STATE[key] = (*_compile(hkv, QTYPES[q_dtype], device, min_blocks, warps, pipe, tma), warps)
+            _STATE[key] = (*_compile(hkv, QTYPES[q_dtype], device, min_blocks, warps, pipe, tma, fuse, issue), warps,
+                           fuse)
         except Exception as e:  # fall back to the Triton kernel
             _STATE[key] = None
             _STATE.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
@@ -126,12 +133,15 @@ def supported(q: torch.Tensor, hkv: int, group: int, d: int, kv_indices: torch.T
 
 
 class Launcher:
-    """One layer's CUDA launch with its arguments packed once: only the query pointer and the stream change per
-    call (ctypes argument packing is most of the host cost of a small launch)."""
+    """One layer's CUDA launch with its arguments packed once: only the query, output and LSE pointers and the
+    stream change per call (ctypes argument packing is most of the host cost of a small launch)."""
 
     def __init__(self, fn, grid, hkv: int, ptrs, chunk: int, parts: int, sm_scale_log2: float, magic: int,
                  rotate: bool):
-        """``ptrs``: Q, KvIndptr, KvIndices, KCodes, KMeta32, VCodes, VMeta32, PartOut, PartLse (device addresses)."""
+        """``ptrs``: Q, KvIndptr, KvIndices, KCodes, KMeta32, VCodes, VMeta32, PartOut, PartLse, SideIndptr,
+        SideIndices, KSide, KSideScale, VSide, VSideScale, Counter, Out, LseOut (device addresses; the side and
+        merge ones are read by the fused kernel only). ``grid``: (splits, requests). ``parts``: the partial
+        states per query row (the fused kernel: the splits; unfused: the splits + the Triton side region's)."""
         _, self.cuda = _libs()
         self.fn, warps, self.smem = fn[0], fn[3], fn[2]
         self.dims = (hkv // warps, grid[0], grid[1], 32 * warps, 1, 1)
@@ -141,8 +151,10 @@ class Launcher:
         self.params = (ctypes.c_void_p * len(self.vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p)
                                                            for v in self.vals])
 
-    def __call__(self, q_ptr: int, stream: int) -> None:
+    def __call__(self, q_ptr: int, stream: int, out_ptr: int = 0, lse_ptr: int = 0) -> None:
         self.vals[0].value = q_ptr
+        self.vals[16].value = out_ptr
+        self.vals[17].value = lse_ptr
         rc = self.cuda.cuLaunchKernel(self.fn, *self.dims, self.smem, stream, self.params, None)
         if rc:
             raise RuntimeError(f"cuLaunchKernel failed: CUresult {rc}")
