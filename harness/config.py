@@ -28,6 +28,9 @@ class TinyModelConfig(Section):
     num_kv_heads: int = Field(2, ge=1)
     head_dim: int = Field(128, ge=8)
     intermediate_size: int | None = None
+    vocab: Literal["bytes", "bpe"] = Field("bytes", description="bytes: one token per byte; bpe: byte-level BPE "
+                                           "learnt on the train split's expert episodes")
+    vocab_size: int = Field(1024, ge=259, description="bpe: tokens incl. the 256 bytes and 3 specials")
     seed: int = 0
 
 

@@ -52,9 +52,15 @@ def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
         from kvstreams_sglang.testing import build_tiny_model
 
         t = cfg.model.tiny
+        corpus = None
+        if t.vocab == "bpe":
+            from envs.corpus import episode_texts
+
+            e = cfg.environment
+            corpus = episode_texts(make_taskset(e.name, e.options), e.train_split)
         build_tiny_model(path, num_layers=t.num_layers, hidden_size=t.hidden_size, num_heads=t.num_heads,
                          num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
-                         seed=t.seed)
+                         vocab=t.vocab, corpus=corpus, vocab_size=t.vocab_size, seed=t.seed)
     return str(path)
 
 

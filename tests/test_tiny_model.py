@@ -84,3 +84,21 @@ def test_same_seed_gives_identical_weights_and_other_seed_differs(tmp_path):
 def test_unknown_vocab_is_rejected(tmp_path):
     with pytest.raises(ValueError, match="vocab"):
         build_tiny_model(tmp_path, vocab="qwen")
+    with pytest.raises(ValueError, match="corpus"):
+        build_tiny_model(tmp_path, vocab="bpe")
+
+
+def test_bpe_vocab_learnt_on_a_corpus_round_trips_and_keeps_byte_and_special_ids(tmp_path):
+    corpus = ["There is an exit to the west. go west", "head north, then take the coin from the floor"] * 20
+    path = build_tiny_model(tmp_path, vocab="bpe", corpus=corpus, vocab_size=320)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert 259 < len(tok) <= 320  # as many merges as the corpus supports (pairs seen twice), up to the size
+    assert tok.convert_ids_to_tokens([256, 257, 258]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert tok.encode("<|im_end|>", add_special_tokens=False) == [258]
+    for text in TEXTS + corpus[:2]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text  # lossless, also on text the merges never saw
+    assert tok.encode("\x07", add_special_tokens=False) == [7]  # an unmerged byte is its own id
+    assert len(tok.encode("go west", add_special_tokens=False)) <= 3  # vs 7 bytes
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert model.config.vocab_size >= len(tok)

@@ -8,6 +8,7 @@ are written for (Qwen3's head size), even though ``hidden_size`` is tiny.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -27,6 +28,8 @@ def build_tiny_model(
     num_kv_heads: int = 2,
     head_dim: int = 128,
     vocab: str = "bytes",
+    corpus: Iterable[str] | None = None,
+    vocab_size: int = 1024,
     seed: int = 0,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 32768,
@@ -35,14 +38,19 @@ def build_tiny_model(
 ) -> Path:
     """Write a random Qwen3ForCausalLM plus byte tokenizer to ``path`` and return it.
 
-    Weights depend only on ``seed`` and the shapes; the caller's global RNG state is left untouched.
+    ``vocab``: ``"bytes"`` (one token per byte) or ``"bpe"`` (byte-level BPE merges learnt on
+    ``corpus``, ``vocab_size`` tokens). Weights depend only on ``seed`` and the shapes; the
+    caller's global RNG state is left untouched.
     """
-    if vocab != "bytes":
-        raise ValueError(f"unsupported vocab {vocab!r}; only 'bytes' is available offline")
+    if vocab not in ("bytes", "bpe"):
+        raise ValueError(f"unsupported vocab {vocab!r}; offline: 'bytes' or 'bpe' (learnt on a corpus)")
+    if (vocab == "bpe") != (corpus is not None):
+        raise ValueError("vocab='bpe' needs a corpus to learn its merges on, and only it takes one")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_byte_tokenizer(path)
+    tokenizer = build_byte_tokenizer(path, corpus=corpus, vocab_size=vocab_size) if corpus is not None \
+        else build_byte_tokenizer(path)
     vocab_size = -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     # Qwen convention: <|endoftext|> doubles as bos and pad; chat turns end with <|im_end|>.
     endoftext_id = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
