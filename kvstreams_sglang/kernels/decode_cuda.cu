@@ -342,6 +342,36 @@ __device__ __forceinline__ float q_elem(const void* Q, size_t i) {
 #endif
 }
 
+// One online-softmax step over a 16-slot x 8-column score tile, shared by the INT8 side region and the INT4 loop:
+// this lane's scores sc[row g / g+8][its 2 columns] -> probabilities p (relative to the new running max), the
+// running max m and sum l updated, alpha the old-to-new rescale, and the output accumulator o rescaled when any
+// column's max grew (row maxima reduced over the 8 lanes of a column group by shuffles: no barrier).
+__device__ __forceinline__ void online_softmax(const float (&sc)[2][2], float (&p)[2][2], float (&alpha)[2],
+                                               float* m, float* l, float (&o)[8][4]) {
+    bool grow = false;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+        float mx = fmaxf(sc[0][c], sc[1][c]);
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
+        const float mn = fmaxf(m[c], mx);
+        grow |= mn > m[c];
+        const float ms = mn == NEG_INF ? 0.f : mn;
+        alpha[c] = ex2(m[c] - ms);
+        p[0][c] = ex2(sc[0][c] - ms);
+        p[1][c] = ex2(sc[1][c] - ms);
+        m[c] = mn;
+        l[c] = l[c] * alpha[c] + p[0][c] + p[1][c];
+    }
+    if (__any_sync(FULL, grow)) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            o[i][0] *= alpha[0]; o[i][1] *= alpha[1]; o[i][2] *= alpha[0]; o[i][3] *= alpha[1];
+        }
+    }
+}
+
 #if FUSE
 // This split's share of the INT8 side region of request b, KV head h (this warp): tiles of 32 side slots loaded
 // straight into registers (the region is at most sink + recent slots), into the same online-softmax state as the
@@ -407,28 +437,7 @@ __device__ __forceinline__ void side_region(const int* sidx, int slo, int slen, 
             for (int c = 0; c < 2; ++c) sc[r][c] = valid ? qs[c] * ksc[r] * (float)acc[2 * r + c] : NEG_INF;
         }
         float alpha[2];
-        bool grow = false;
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            float mx = fmaxf(sc[0][c], sc[1][c]);
-            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
-            const float mn = fmaxf(m[c], mx);
-            grow |= mn > m[c];
-            const float ms = mn == NEG_INF ? 0.f : mn;
-            alpha[c] = ex2(m[c] - ms);
-            p[0][c] = ex2(sc[0][c] - ms);
-            p[1][c] = ex2(sc[1][c] - ms);
-            m[c] = mn;
-            l[c] = l[c] * alpha[c] + p[0][c] + p[1][c];
-        }
-        if (__any_sync(FULL, grow)) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                o[i][0] *= alpha[0]; o[i][1] *= alpha[1]; o[i][2] *= alpha[0]; o[i][3] *= alpha[1];
-            }
-        }
+        online_softmax(sc, p, alpha, m, l, o);
         const u32 T0 = movtrans(pack_h2(p[0][0] * vs[0], p[0][1] * vs[0]));
         const u32 T1 = movtrans(pack_h2(p[1][0] * vs[1], p[1][1] * vs[1]));
 #pragma unroll
@@ -737,29 +746,10 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
                 sc[r][c] = valid ? qs[c] * (ks * (float)acc[2 * r + c] + ko * qsm_f[c]) : NEG_INF;
         }
         float alpha[2];
-        bool grow = false;
+        online_softmax(sc, p, alpha, m, l, o);
 #pragma unroll
-        for (int c = 0; c < 2; ++c) {
-            float mx = fmaxf(sc[0][c], sc[1][c]);
-            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 4));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 8));
-            mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 16));
-            const float mn = fmaxf(m[c], mx);
-            grow |= mn > m[c];
-            const float ms = mn == NEG_INF ? 0.f : mn;
-            alpha[c] = ex2(m[c] - ms);
-            p[0][c] = ex2(sc[0][c] - ms);
-            p[1][c] = ex2(sc[1][c] - ms);
-            m[c] = mn;
-            l[c] = l[c] * alpha[c] + p[0][c] + p[1][c];
+        for (int c = 0; c < 2; ++c)
             off[c] = off[c] * alpha[c] + p[0][c] * (vo[0] + 8.f * vs[0]) + p[1][c] * (vo[1] + 8.f * vs[1]);
-        }
-        if (__any_sync(FULL, grow)) {
-#pragma unroll
-            for (int i = 0; i < 8; ++i) {
-                o[i][0] *= alpha[0]; o[i][1] *= alpha[1]; o[i][2] *= alpha[0]; o[i][3] *= alpha[1];
-            }
-        }
         const u32 T0 = movtrans(pack_h2(p[0][0] * vs[0], p[0][1] * vs[0]));
         const u32 T1 = movtrans(pack_h2(p[1][0] * vs[1], p[1][1] * vs[1]));
 
