@@ -262,7 +262,12 @@ def plot(path: Path, results: dict[str, EvalResult], sft_rows: list[dict], rl_ro
     axes[1].plot([r["step"] for r in sft_rows], [r["nll"] for r in sft_rows], marker=".")
     axes[1].set_xlabel("SFT step")
     axes[1].set_ylabel("expert command nll (nats/token)")
-    axes[2].plot([r["step"] for r in rl_rows], [r["win_rate"] for r in rl_rows], marker=".", label="train win rate")
+    steps, wins = [r["step"] for r in rl_rows], [r["win_rate"] for r in rl_rows]
+    axes[2].plot(steps, wins, marker=".", alpha=0.5, label="train win rate")
+    window = 10  # one step is 4 groups: its win rate is noisy
+    if len(wins) >= window:
+        mean = [sum(wins[i - window + 1:i + 1]) / window for i in range(window - 1, len(wins))]
+        axes[2].plot(steps[window - 1:], mean, color="k", label=f"train win rate ({window}-step mean)")
     axes[2].plot([r["step"] for r in rl_rows], [r["reward"] for r in rl_rows], marker=".", label="train reward")
     axes[2].set_xlabel("RL step")
     axes[2].legend(fontsize=8)
