@@ -163,12 +163,28 @@ async def run_demo(cfg: DemoConfig) -> dict:
                                                impl=cfg.trainer.impl, grad_clip=cfg.trainer.grad_clip), device)
     sft_log = MetricsLog(out / "sft" / "metrics.jsonl")
     nll_before = expert_nll(trainer, probe, micro_batch=s.micro_batch_records)
+    checker = None  # the engine that plays the train games for the early stop
+    sft_steps = 0
     with Progress() as progress:
         bar = progress.add_task("SFT steps", total=s.steps)
         for step, batch in enumerate(batches(records, s.episodes_per_step, s.steps, seed=cfg.run.seed)):
             row = {"step": step, **sft_step(trainer, batch, micro_batch=s.micro_batch_records)}
+            sft_steps = step + 1
+            stop = False
+            if s.stop_train_win_rate is not None and sft_steps % s.check_every == 0:
+                checker = checker or make_engine(cfg, base_path, device)
+                checker.update_weights(trainer.engine_weights())
+                check, _ = await evaluate("SFT check", checker, taskset, train_tasks[:s.check_games], renderer, cfg,
+                                          temperature=0.0, seed=cfg.run.seed)
+                row["train_win_rate"] = check.win_rate
+                stop = check.win_rate >= s.stop_train_win_rate
             sft_log.log(row)
             progress.update(bar, advance=1, description=f"SFT steps (nll {row['nll']:.3f})")
+            if stop:
+                console.print(f"SFT stops after {sft_steps} steps: greedy policy wins "
+                              f"{row['train_win_rate']:.0%} of {s.check_games} train games")
+                break
+    del checker
     nll_after = expert_nll(trainer, probe, micro_batch=s.micro_batch_records)
     if s.steps:
         sft_log.plot(out / "sft" / "metrics.png", keys=["nll", "grad_norm"])
@@ -207,7 +223,7 @@ async def run_demo(cfg: DemoConfig) -> dict:
         "tokens_reprefilled": {"rl": sum(r["tokens_reprefilled"] for r in rl_rows),
                                "eval": sum(r.tokens_reprefilled for r in results.values())},
         "kv": kv, "rl_peak_live_kv_tokens": max(r["peak_live_kv_tokens"] for r in rl_rows),
-        "rl_steps": len(rl_rows), "sft_steps": s.steps, "timings_s": timings,
+        "rl_steps": len(rl_rows), "sft_steps": sft_steps, "timings_s": timings,
         "compaction": cfg.compaction.model_dump(), "kv_dtype": i.kv_dtype, "model": shape,
         "eval_temperature": cfg.evaluation.temperature,
     }

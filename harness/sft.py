@@ -53,6 +53,12 @@ class SFTConfig(BaseModel):
     detour: float = Field(0.5, ge=0, lt=1, description="probability that a turn plays a detour, not the expert")
     detours: list[str] = Field(["look", "inventory"], min_length=1, description="harmless commands")
     micro_batch_records: int = Field(4, ge=1)
+    stop_train_win_rate: float | None = Field(
+        None, gt=0, le=1, description="stop early once the greedy policy wins this share of check_games train games "
+        "(checked every check_every steps): RL then starts from the same competence whatever step a seed's SFT "
+        "reaches it (steps is the cap)")
+    check_every: int = Field(10, ge=1)
+    check_games: int = Field(32, ge=1)
 
 
 class ExpertClient:

@@ -25,6 +25,7 @@ def tiny_demo(tmp_path_factory):
         "--environment.num_eval", "2", "--orchestrator.group_size", "2", "--orchestrator.groups_per_step", "1",
         "--orchestrator.max_turns", "3", "--orchestrator.max_new_tokens", "4", "--inference.max_tokens", "8192",
         "--inference.max_streams", "16", "--sft.steps", "2", "--sft.episodes", "8", "--sft.episodes_per_step", "4",
+        "--sft.check_every", "1", "--sft.stop_train_win_rate", "1.0", "--sft.check_games", "2",
         "--evaluation.expert_episodes", "4"])
     summary = asyncio.run(run_demo(cfg))
     return summary, out / "run"
@@ -57,6 +58,14 @@ def test_demo_never_reprefills_and_kv4_beats_bf16(tiny_demo):
 def test_sft_lowers_the_held_out_expert_command_loss(tiny_demo):
     summary, _ = tiny_demo
     assert summary["expert_nll"]["after_sft"] < summary["expert_nll"]["before_sft"]
+
+
+def test_sft_checks_the_train_games_for_its_early_stop(tiny_demo):
+    summary, out = tiny_demo
+    rows = [json.loads(x) for x in (out / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert 1 <= summary["sft_steps"] == len(rows) <= 2  # a 2-step cap; a win on both train games stops at step 1
+    assert all(0 <= r["train_win_rate"] <= 1 for r in rows)  # checked every step (check_every 1)
+    assert all(r["train_win_rate"] < 1 for r in rows[:-1])  # it went on only while short of the target
 
 
 def test_kv_peaks_counts_the_keys_a_query_sees_under_evictions():
