@@ -104,7 +104,7 @@ def timed_ms(fn) -> float:
 def parse_alts(text):
     """``name:key=val,key=val;name:...`` -> [(name, {plan_decode kwargs}, {DecodePlan field overrides})]."""
     fields = {"block_h", "max_registers", "cuda_min_blocks", "cuda_warps", "cuda_pipe", "cuda_tma", "cuda_fuse",
-              "cuda_issue"}
+              "cuda_issue", "cuda_early", "cuda_merge", "cuda_side_ctas", "cuda_ablate"}
     alts = []
     for part in filter(None, (text or "").split(";")):
         name, _, spec = part.partition(":")
@@ -287,31 +287,125 @@ def variants(shapes, hq=32, hkv=8, d=128, sink=16, recent=128):
     return rows
 
 
-def store_bench(n=262144, hkv=8, d=128):
-    """Store kernel (rotate + quantise + scatter to shuffled slots) vs a device copy of the same bytes."""
+def store_bench(n=262144, hkv=8, d=128, out=None, check=True):
+    """Store kernel (rotate + quantise + scatter to shuffled slots) vs a device copy of the same bytes, in one
+    process: the CUDA kernel (store_cuda.cu, v7; timed twice for the spread, and once with 1% side rows) and the
+    Triton kernel's two best configurations (v3). ``check``: the CUDA kernel's entries at this shape against
+    ``store_reference`` (V codes/meta bit-exact, K code flip rate). ``out``: write the rows as JSON there."""
     import triton
 
     from kvstreams_sglang.kernels import kv4_store
     from kvstreams_sglang.kv4 import KV4LayerCache
+    from kvstreams_sglang.kv4.reference import store_reference
 
     device = torch.device("cuda")
-    cache = KV4LayerCache.empty(n, 1024, hkv, d, device=device)
+    torch.manual_seed(0)
+    cache = KV4LayerCache.empty(n, 4096, hkv, d, device=device)
     k = torch.randn(n, hkv, d, device=device, dtype=torch.bfloat16)
     v = torch.randn(n, hkv, d, device=device, dtype=torch.bfloat16)
     slots = torch.randperm(n, device=device)
     side = torch.full((n,), -1, dtype=torch.int64, device=device)
+    side1 = side.clone()  # 1% of the rows also get INT8 side copies (distinct side slots)
+    pick = torch.randperm(n, device=device)[: n // 100]
+    side1[pick] = torch.arange(pick.numel(), device=device)
     moved = 2 * n * hkv * (d * 2 + d // 2 + 4) + n * 16  # read bf16 K,V; write codes + meta; slot ids
     src = torch.empty(moved // 2, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     copy_ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
     rows = [dict(kind="copy", ms=copy_ms, tb_s=moved / copy_ms / 1e9)]
-    for bt, prec in ((16, "ieee"), (16, "tf32x3"), (32, "tf32x3"), (64, "tf32x3"), (32, "tf32")):
-        ms = triton.testing.do_bench(lambda bt=bt, prec=prec: kv4_store(cache, k, v, slots, side, block_t=bt,
-                                                                        rot_prec=prec),
+    runs = [("store cuda", side, dict(backend="cuda")), ("store cuda (again)", side, dict(backend="cuda")),
+            ("store cuda 1% side rows", side1, dict(backend="cuda")),
+            ("store bt=64 rot=tf32x3", side, dict(backend="triton", block_t=64, rot_prec="tf32x3")),
+            ("store bt=32 rot=tf32", side, dict(backend="triton", block_t=32, rot_prec="tf32"))]
+    snap = None
+    for kind, sd, kw in runs:
+        ms = triton.testing.do_bench(lambda sd=sd, kw=kw: kv4_store(cache, k, v, slots, sd, **kw),
                                      warmup=25, rep=200, return_mode="median")
-        rows.append(dict(kind=f"store bt={bt} rot={prec}", ms=ms, tb_s=moved / ms / 1e9, frac_of_copy=copy_ms / ms))
+        rows.append(dict(kind=kind, ms=ms, tb_s=moved / ms / 1e9, frac_of_copy=copy_ms / ms))
+        if snap is None:  # the default CUDA kernel's INT4 entries: each variant below must write the same
+            snap = [t.clone() for t in (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta)]
+    from kvstreams_sglang.kernels import store_cuda
+
+    for opts in (dict(WARPS=4, LDHINT=0), dict(WARPS=4), dict(LDHINT=0)):  # store_cuda.cu variants (v7 first: 4 x 4)
+        fn = store_cuda.kernel(hkv, k.dtype, device, opts)
+        if fn is None:
+            print("variant failed", store_cuda._STATE.get("errors"), flush=True)
+            continue
+        ms = triton.testing.do_bench(lambda fn=fn: store_cuda.store(fn, cache, k, v, slots, side, True),
+                                     warmup=25, rep=200, return_mode="median")
+        same = all(torch.equal(a, b) for a, b in zip(snap, (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta),
+                                                      strict=True))
+        rows.append(dict(kind="store cuda " + " ".join(f"{a}={b}" for a, b in opts.items()), ms=ms,
+                         tb_s=moved / ms / 1e9, frac_of_copy=copy_ms / ms, same_entries_as_default=same))
     for r in rows:
-        print(f"{r['kind']:28s} {r['ms']:8.4f} ms {r['tb_s']:5.2f} TB/s (bytes moved {moved / 1e9:.2f} GB)", flush=True)
+        print(f"{r['kind']:44s} {r['ms']:8.4f} ms {r['tb_s']:5.2f} TB/s {r.get('frac_of_copy', 1):5.3f} of copy "
+              f"{r.get('same_entries_as_default', '')}", flush=True)
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, shape=dict(n=n, hkv=hkv, d=d),
+                  bytes_moved=moved, rows=rows, command="python -m bench.decode_attention --store-only")
+    if check:
+        del src, dst, snap
+        ours, ref = (KV4LayerCache.empty(n, 4096, hkv, d, device=device) for _ in range(2))
+        kv4_store(ours, k, v, slots, side1, backend="cuda")
+        store_reference(ref, k, v, slots, side1)
+        used = side1[side1 >= 0].unique()
+        result["check"] = dict(
+            v_codes_equal=bool(torch.equal(ours.v_codes, ref.v_codes)),
+            v_meta_equal=bool(torch.equal(ours.v_meta, ref.v_meta)),
+            v_side_equal=bool(torch.equal(ours.v_side[used], ref.v_side[used])),
+            k_code_flip_rate=float((ours.int4_k(slots).unpack_codes()
+                                    != ref.int4_k(slots).unpack_codes()).float().mean()),
+            k_meta_max_rel=float(((ours.k_meta.float() - ref.k_meta.float()).abs()
+                                  / ref.k_meta.float().abs().clamp_min(1e-3)).max()))
+        print("check", result["check"], flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return rows
+
+
+def _extend_row(b, length, n, hq, hkv, d, device):
+    import triton
+
+    from kvstreams_sglang.kernels import kv4_extend
+
+    cache, _, idx = build_kv4_case([length] * b, hq, hkv, d, 16, 128, device)
+    q = torch.randn(b * n, hq, d, device=device, dtype=torch.bfloat16)
+    kn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
+    vn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
+    qo = torch.arange(b + 1, device=device, dtype=torch.int32) * n
+    ms = triton.testing.do_bench(lambda: kv4_extend(q, kn, vn, qo, cache, idx["kv_indptr"], idx["kv_indices"],
+                                                    idx["side_indptr"], idx["side_indices"], max_new_tokens=n),
+                                 warmup=25, rep=200, return_mode="median")
+    row = dict(batch=b, prefix=length, new=n, kv4_extend_ms=ms, new_tokens_per_s=b * n / ms * 1e3)
+    try:
+        import flashinfer
+    except ImportError:
+        return row
+    kf = torch.randn(length + n, hkv, d, device=device, dtype=torch.bfloat16)
+    vf = torch.randn(length + n, hkv, d, device=device, dtype=torch.bfloat16)
+    qs = q.view(b, n, hq, d)
+
+    def bf16():
+        for i in range(b):
+            flashinfer.single_prefill_with_kv_cache(qs[i], kf, vf, causal=True)
+
+    row["flashinfer_bf16_ms"] = triton.testing.do_bench(bf16, warmup=25, rep=200, return_mode="median")
+    row["kv4_vs_bf16"] = row["flashinfer_bf16_ms"] / ms
+    return row
+
+
+def extend_bench(shapes=((1, 8192, 1024), (4, 4096, 512), (8, 2048, 256)), hq=32, hkv=8, d=128, out=None):
+    """Extend/prefill: ``kv4_extend`` (B requests, each a prefix of L cached tokens in KV4 plus n new tokens
+    attending causally) vs FlashInfer's BF16 prefill on the same tokens held contiguous in BF16 (one
+    ``single_prefill_with_kv_cache`` per request, causal aligned to the end), in one process."""
+    rows = []
+    for b, length, n in shapes:
+        rows.append(_extend_row(b, length, n, hq, hkv, d, torch.device("cuda")))
+        print("extend", rows[-1], flush=True)
+    if out:
+        with open(out, "w") as f:
+            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows,
+                           command="python -m bench.decode_attention --extend"), f, indent=1)
     return rows
 
 
@@ -359,11 +453,19 @@ def main():
     p.add_argument("--no-baselines", action="store_true", help="time KV4 only (no BF16 / FlashInfer)")
     p.add_argument("--overhead", action="store_true", help="host time per KV4 decode call at B=32, L=1k")
     p.add_argument("--store", action="store_true", help="with --variants: also time the store kernel")
+    p.add_argument("--store-only", action="store_true", help="time the store kernels (CUDA, Triton) and the copy")
+    p.add_argument("--extend", action="store_true", help="time kv4_extend against FlashInfer's BF16 prefill")
     p.add_argument("--alts", default=None, help="name:key=val,...;...: KV4 plan variants timed beside the default "
                    "in the table (plan_decode kwargs, or block_h / max_registers)")
     p.add_argument("--shapes", default=None, help="B,L;B,L;...: table rows to run instead of the full grid")
     p.add_argument("--variants", default=None, help="B,L;B,L;...: time decode kernel variants, then the store kernel")
     a = p.parse_args()
+    if a.store_only:
+        store_bench(out=a.out or os.path.join(os.environ.get("OUT", "bench/results"), "decode_store_h200.json"))
+        return
+    if a.extend:
+        extend_bench(out=a.out or os.path.join(os.environ.get("OUT", "bench/results"), "extend_h200.json"))
+        return
     if a.overhead:
         host_overhead()
         return

@@ -123,6 +123,14 @@ def _tie_free_query(shape, dtype, device, seed: int) -> torch.Tensor:
         ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_fuse=1, cuda_issue=0)),  # fused, v5 producers
         ([300, 17, 1000, 2500], 8, 3, torch.float16, dict(cuda_fuse=0, cuda_issue=1)),  # unfused, v6 producers
         ([1, 150, 144, 145, 7000], 8, 2, torch.float32, {}),  # side region only, side region + 1 INT4 slot
+        ([300, 17, 1000, 5000], 8, 3, torch.bfloat16, dict(cuda_early=1)),  # v7: ring filled at kernel start
+        ([300, 17, 1000, 2500], 8, None, torch.float32, dict(cuda_early=1, cuda_merge=1)),  # + one-pass merge
+        ([1, 150, 144, 145, 7000], 8, 2, torch.float32, dict(cuda_early=1, cuda_merge=1)),  # side only / 1 slot
+        ([300, 17, 1000, 5000], 8, 3, torch.float16, dict(cuda_early=1, cuda_pipe=3)),  # 3 stages filled early
+        ([5000, 3000, 40], 8, 11, torch.float32, dict(cuda_merge=1)),  # 11 parts: the merge's 4-part groups
+        ([300, 17, 1000, 2500], 8, 3, torch.bfloat16, dict(cuda_side_ctas=1)),  # v7: a side-region CTA per request
+        ([1, 150, 144, 145, 7000], 8, 2, torch.float32, dict(cuda_side_ctas=2, cuda_early=1)),  # 2, side only
+        ([300, 17, 1000, 5000], 8, None, torch.float16, dict(cuda_side_ctas=1, cuda_early=1, cuda_merge=1)),
     ],
 )
 def test_decode_cuda_int4_kernel_matches_reference(lengths, hkv, splits, dtype, variant):
@@ -137,7 +145,7 @@ def test_decode_cuda_int4_kernel_matches_reference(lengths, hkv, splits, dtype, 
     q = _tie_free_query((len(lengths), 4 * hkv, 128), dtype, device, seed=len(lengths) * 100 + hkv)
     plan = dataclasses.replace(plan_decode(**meta, num_kv_heads=hkv, cuda_int4=1, cuda_splits=splits), **variant)
     fn = decode_cuda.kernel(hkv, dtype, device, plan.cuda_min_blocks, plan.cuda_warps, plan.cuda_pipe, plan.cuda_tma,
-                            plan.cuda_fuse, plan.cuda_issue)
+                            plan.cuda_fuse, plan.cuda_issue, plan.cuda_early, plan.cuda_merge, plan.cuda_side_ctas)
     assert fn is not None, decode_cuda._STATE.get("errors")
     ref_out, ref_lse = decode_reference(q.float(), cache, **meta)
     tol = 1e-3 if dtype == torch.float32 else 1e-2
@@ -146,3 +154,25 @@ def test_decode_cuda_int4_kernel_matches_reference(lengths, hkv, splits, dtype, 
         assert rel_l2(out.float(), ref_out) <= tol
         assert torch.allclose(lse, ref_lse, atol=1e-4, rtol=1e-4)
         assert rel_l2(kv4_decode(q, cache, plan).float(), ref_out) <= tol  # scratch LSE
+
+
+def test_plan_decode_cuda_split_rules():
+    """The CUDA kernel's split count (v6 rule, v7 rule for long requests of small batches) and the auto choice of a
+    side-region CTA per request (only where splits + 1 CTAs per request are all resident, 2 per SM)."""
+    def plan(batch, length, **kw):
+        n4 = length - 144
+        indptr = torch.arange(batch + 1, dtype=torch.int32) * n4
+        side = torch.arange(batch + 1, dtype=torch.int32) * 144
+        return plan_decode(indptr, torch.zeros(batch * n4, dtype=torch.int32), side,
+                           torch.zeros(batch * 144, dtype=torch.int32), num_kv_heads=8, **kw)
+
+    for (batch, length), (v6, v7) in {(64, 2048): (2, 2), (64, 8192): (2, 2), (64, 16384): (2, 4), (64, 32768): (2, 4),
+                                      (32, 32768): (4, 8), (32, 16384): (4, 4), (128, 16384): (2, 2),
+                                      (32, 1024): (3, 3)}.items():
+        assert plan(batch, length, cuda_rule=6).cuda_splits == v6, (batch, length)
+        assert plan(batch, length, cuda_rule=7).cuda_splits == v7, (batch, length)
+    assert plan(64, 16384).cuda_splits == 4  # v7 is the default
+    for (batch, length), v8 in {(32, 16384): 8, (64, 8192): 4, (64, 4096): 2, (32, 8192): 4, (64, 16384): 4}.items():
+        assert plan(batch, length, cuda_rule=8).cuda_splits == v8, (batch, length)
+    assert plan(64, 2048, cuda_side=-1).cuda_side_ctas == 1 and plan(64, 2048).cuda_side_ctas == 0
+    assert plan(128, 8192, cuda_side=-1).cuda_side_ctas == 0 and plan(32, 4096, cuda_side=-1).cuda_side_ctas == 1

@@ -288,6 +288,10 @@ class DecodePlan:
     cuda_pipe: int = 2  # 0: next tile prefetched into registers; S >= 2: S-stage cp.async ring in shared memory
     cuda_fuse: int = 1  # 1: the CUDA kernel also does the INT8 side region and the merge (one launch per step, v6)
     cuda_issue: int = 1  # bulk-copy producers: 1 uniform-operand code copies + cp.async meta (v6), 0 as v5
+    cuda_early: int = 0  # 1: the ring's stages (all of them) issued at kernel start, before the query and side (v7)
+    cuda_merge: int = 0  # 1: the merging CTA reads the splits' parts in one pass (v7)
+    cuda_side_ctas: int = 0  # fused: S > 0 more CTAs per request take the INT8 side region alone (v7); 0 split shares
+    cuda_ablate: int = 0  # bench attribution only (decode_cuda.cu ABLATE: parts of the work left out, wrong results)
     int4_tokens: int = 0  # INT4 slots of the step (kv_indices' length), for the auto choice
     # Per-step host state the launcher fills on first use (workspaces, the per-layer launch arguments): not
     # part of the plan's identity, and ``dataclasses.replace`` starts a new one.
@@ -302,7 +306,8 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
                 side_indices: torch.Tensor, *, num_kv_heads: int, num_splits: int | None = None,
                 block_n: int = 64, target_programs: int = 2048, num_warps: int = 4, num_stages: int = 3,
                 prefetch: bool = False, min_chunk: int = 256, cuda_int4: int = -1, cuda_target_ctas: int | None = None,
-                cuda_min_chunk: int = 256, cuda_splits: int | None = None) -> DecodePlan:
+                cuda_min_chunk: int = 256, cuda_splits: int | None = None, cuda_rule: int = 7,
+                cuda_side: int = 0) -> DecodePlan:
     """Build the decode metadata once per step (one host sync for the longest INT4 list).
 
     ``num_splits`` defaults to enough splits to give ``target_programs`` programs (several
@@ -312,6 +317,9 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
     otherwise compile a variant for each value. Launch defaults from the H200 variant sweep
     (bench/results/decode_variants_v3_h200.json): 64-slot tiles, 4 warps, 3 pipeline stages of
     Triton's async copies (no hand-written prefetch), 4 query-head rows per program (``kv4_decode``).
+    CUDA kernel (bench/NOTES.md v6, bench/NOTES.md v7 decode): ``cuda_rule`` picks its split rule for even lengths
+    (6: v6; 7, default: 2 CTAs per SM once a split would exceed 4096 slots; 8: wherever splits keep >= 2000 slots);
+    ``cuda_side`` its side-region CTAs per request (0: none, the split CTAs take shares; -1: auto; k: k).
     """
     lengths = kv_indptr[1:] - kv_indptr[:-1]
     max_len = int(lengths.max()) if lengths.numel() else 0
@@ -325,15 +333,26 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
         if cuda_target_ctas is None and kv_indices.numel() >= 0.75 * batch * max_len:
             # even lengths (v6 split sweep, bench/NOTES.md): the fewest splits that give >= 128 CTAs, at least 2
             # (at most one CTA per SM pulls the bandwidth; fewer, longer CTAs pay less prologue, ring fill, merge)
-            cuda_splits = max(1, min(max(2, math.ceil(128 / max(1, batch))), max_len // cuda_min_chunk))
+            want = max(2, math.ceil(128 / max(1, batch)))
+            more = max(want, math.ceil(256 / max(1, batch)))
+            if (cuda_rule == 7 and max_len / want > 4096) or (cuda_rule >= 8 and max_len / more >= 2000):
+                # v7: long requests of a small batch: 2 CTAs per SM (>= 256 CTAs) once a split would exceed 4096 INT4
+                # slots (64x16k, 64x32k, 32x32k: 10-13% faster, bench/NOTES.md v7 decode). Rule 8: wherever the
+                # splits keep >= 2000 slots (also 32x16k: 9% faster measured; 64x8k not measured)
+                want = more
+            cuda_splits = max(1, min(want, max_len // cuda_min_chunk))
         else:  # uneven lengths: a split is sized by the longest request, more, shorter ones balance the SMs (v5)
             cuda_target_ctas = cuda_target_ctas or 1056
             cuda_splits = max(1, min(math.ceil(cuda_target_ctas / max(1, batch)), max_len // cuda_min_chunk))
             cuda_splits = 1 << (cuda_splits.bit_length() - 1)
     cuda_chunk = triton.cdiv(triton.cdiv(max(max_len, 1), cuda_splits), 32) * 32
+    if cuda_side < 0:  # auto (v7): one side CTA per request where all CTAs are resident at once (2 per SM)
+        sms = torch.cuda.get_device_properties(kv_indptr.device).multi_processor_count if kv_indptr.is_cuda else 132
+        cuda_side = 1 if (cuda_splits + 1) * batch <= 2 * sms and side_indices.numel() else 0
     return DecodePlan(kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
                       num_splits, chunk, block_n, num_warps, num_stages, prefetch, cuda_int4=cuda_int4,
-                      cuda_splits=cuda_splits, cuda_chunk=cuda_chunk, int4_tokens=kv_indices.numel())
+                      cuda_splits=cuda_splits, cuda_chunk=cuda_chunk, int4_tokens=kv_indices.numel(),
+                      cuda_side_ctas=cuda_side)
 
 
 _LAUNCHED: dict = {}  # specialisation key -> Triton CompiledKernel (see _launch_decode)
@@ -389,7 +408,7 @@ def _workspace(plan: DecodePlan, bsz: int, hq: int, hkv: int, d: int, device) ->
     key = ("ws", bsz, hq, hkv, d, str(device))
     hit = plan._host.get(key)
     if hit is None:
-        parts = plan.num_splits + 1
+        parts = plan.num_splits + max(1, plan.cuda_side_ctas)  # + the side region's part(s)
         ws = (torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=device),
               torch.empty(bsz, hq, parts, dtype=torch.float32, device=device),
               torch.empty(bsz, hq, dtype=torch.float32, device=device),
@@ -434,7 +453,8 @@ def _cuda_kernel(q: torch.Tensor, plan: DecodePlan, hkv: int, group: int, d: int
 
         if decode_cuda.supported(q, hkv, group, d, plan.kv_indices):
             fn = decode_cuda.kernel(hkv, q.dtype, q.device, plan.cuda_min_blocks, plan.cuda_warps, plan.cuda_pipe,
-                                    plan.cuda_tma, plan.cuda_fuse, plan.cuda_issue)
+                                    plan.cuda_tma, plan.cuda_fuse, plan.cuda_issue, plan.cuda_early,
+                                    plan.cuda_merge, plan.cuda_side_ctas, plan.cuda_ablate)
     plan._host[key] = fn
     return fn
 
@@ -476,9 +496,9 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
             from . import decode_cuda
 
             launcher = plan._host[lkey] = decode_cuda.Launcher(
-                cuda_fn, (plan.num_splits, bsz), hkv,
+                cuda_fn, (plan.num_splits + cuda_fn[5], bsz), hkv,
                 (q_ptr, head[1], head[2], *cache_ptrs[:4], tail[0], tail[1], head[3], head[4], *cache_ptrs[4:],
-                 tail[2], 0, 0), plan.chunk, plan.num_splits + (0 if cuda_fn[4] else 1), sm_scale * LOG2E,
+                 tail[2], 0, 0), plan.chunk, plan.num_splits + (cuda_fn[5] if cuda_fn[4] else 1), sm_scale * LOG2E,
                 FP16_MAGIC, rotate)
         launcher(q_ptr, driver.active.get_current_stream(q.device.index), out.data_ptr(), lse.data_ptr())
         if cuda_fn[4]:  # fused: side region and merge done in the same launch

@@ -60,6 +60,20 @@ typedef unsigned char u8;
 #define ISSUE 0  // TMA producers: 0 one bulk copy per row of K/V codes and K/V meta, issued lane by lane (v5);
                  // 1 code copies with uniform operands (redux.sync) from lane 0, meta by 4-byte cp.async per thread
 #endif
+#ifndef EARLY
+#define EARLY 0  // v7, TMA only: the mbarriers, the INT4 slot ids and ALL PIPE ring stages issued at kernel start, before
+                 // the query rotation and the side share (the query codes get their own shared memory after the ring)
+#endif
+#ifndef MERGE
+#define MERGE 0  // v7: 1 the merging CTA reads the parts in one pass (online over parts, 4 parts' loads at once)
+#endif
+#ifndef SIDE_CTAS
+#define SIDE_CTAS 0  // v7, FUSE only: 0 each split CTA takes a share of the side region before its INT4 loop (v6);
+                     // S > 0: S more CTAs per request take the side region alone (grid y = splits + S)
+#endif
+#ifndef ABLATE
+#define ABLATE 0  // bench attribution only (wrong results): 1 no side share, 2 no merge, 4 no INT4 region, 8 no rotation
+#endif
 #if TMA
 // Per stage: K rows [32 slots][WARPS heads x 64 B + 16 B pad], V rows likewise, K meta [32][WARPS x 4 B], V meta.
 // One slot's codes of the CTA's heads are contiguous in the cache (slot-major), so each is one bulk copy; the
@@ -68,8 +82,14 @@ typedef unsigned char u8;
 #define META_T (WARPS * 4)
 #define STAGE_T (2 * 32 * ROW_T + 2 * 32 * META_T)
 #define WARP_SMEM 512  // query codes, aliased with the start of the ring (used before the first copy)
+#if EARLY
+#define QSM_OFF ((PIPE * STAGE_T + 8 * PIPE + 15) / 16 * 16)  // after the ring and its barriers
+#endif
 #else
 #define WARP_SMEM (PIPE ? PIPE * STAGE_BYTES : 512)
+#endif
+#ifndef QSM_OFF
+#define QSM_OFF 0
 #endif
 
 #define FULL 0xffffffffu
@@ -478,6 +498,41 @@ __device__ __forceinline__ void merge_parts(const float* PartOut, const float* P
     __threadfence();
     const int rr = threadIdx.x >> 3, seg = threadIdx.x & 7;  // WARPS * 4 rows x 8 segments of 16 dims
     const size_t row = (size_t)b * (HKV * 4) + blockIdx.x * (WARPS * 4) + rr;
+#if MERGE
+    // v7: one pass, online over the parts, the L2 loads of 4 parts issued together (v6: a max pass, then a pass
+    // with a dependent load per part)
+    float m_run = NEG_INF, tot = 0.f, acc[16];
+#pragma unroll
+    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
+    for (int s0 = 0; s0 < parts; s0 += 4) {
+        float ls[4];
+        float4 v[4][4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const int s = min(s0 + k, parts - 1);
+            ls[k] = ldcg_f(PartLse + row * parts + s);
+            const float* src = PartOut + (row * parts + s) * 128 + seg * 16;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) v[k][i] = ldcg_f4(src + 4 * i);
+        }
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            if (s0 + k < parts) {
+                const float mn = fmaxf(m_run, ls[k]);
+                const float ms_ = mn == NEG_INF ? 0.f : mn;
+                const float a = ex2(m_run - ms_), w = ex2(ls[k] - ms_);  // 0 for empty parts
+                tot = tot * a + w;
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    acc[4 * i] = acc[4 * i] * a + w * v[k][i].x; acc[4 * i + 1] = acc[4 * i + 1] * a + w * v[k][i].y;
+                    acc[4 * i + 2] = acc[4 * i + 2] * a + w * v[k][i].z; acc[4 * i + 3] = acc[4 * i + 3] * a + w * v[k][i].w;
+                }
+                m_run = mn;
+            }
+        }
+    }
+    const float ms = m_run == NEG_INF ? 0.f : m_run;
+#else
     float mx = NEG_INF;
     for (int s = 0; s < parts; ++s) mx = fmaxf(mx, ldcg_f(PartLse + row * parts + s));
     const float ms = mx == NEG_INF ? 0.f : mx;
@@ -494,6 +549,7 @@ __device__ __forceinline__ void merge_parts(const float* PartOut, const float* P
             acc[4 * i] += w * v.x; acc[4 * i + 1] += w * v.y; acc[4 * i + 2] += w * v.z; acc[4 * i + 3] += w * v.w;
         }
     }
+#endif
     const float den = tot > 0.f ? tot : 1.f, inv = 1.f / den;
 #if QTYPE == 0
     float4* dst = (float4*)((float*)Out + row * 128 + seg * 16);
@@ -531,19 +587,67 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
 {
     extern __shared__ __align__(16) u8 smem[];  // WARPS x WARP_SMEM (dynamic)
     const int lane = threadIdx.x & 31, w_ = threadIdx.x >> 5, h = blockIdx.x * WARPS + w_;
+#if SIDE_CTAS
+    // v7: grid y = INT4 splits + SIDE_CTAS; in launch (dispatch) order all INT4 CTAs come first, one per SM while
+    // they fit, then the side CTAs, which take the side region alone (SIDE_CTAS shares per request) and land in the
+    // second CTA slot of the SMs: the side region's dependent-load latency runs beside the INT4 streams instead of
+    // before them. Part index of a side CTA: splits + its share.
+    const int nsplit = (int)gridDim.y - SIDE_CTAS;
+    const int lyz = blockIdx.y + blockIdx.z * gridDim.y;
+    const bool side_cta = lyz >= nsplit * (int)gridDim.z;
+    const int lsd = lyz - nsplit * (int)gridDim.z;
+    const int b = side_cta ? lsd / SIDE_CTAS : lyz / nsplit;
+    const int split = side_cta ? nsplit + lsd % SIDE_CTAS : lyz % nsplit;
+#else
+    const bool side_cta = false;
     const int b = blockIdx.z;
     const int split = blockIdx.y;
+#endif
 #if FUSE
     // This split's share of the side region (splits = gridDim.y) and its first slot ids, loaded first: the
     // latency hides behind the query's loads and rotation.
     const int s_start = SideIndptr[b];
     const int s_total = SideIndptr[b + 1] - s_start;
+#if SIDE_CTAS
+    const int s_per = (s_total + SIDE_CTAS - 1) / SIDE_CTAS;
+    const int s_lo = side_cta ? (split - nsplit) * s_per : 0, s_hi = side_cta ? min(s_lo + s_per, s_total) : 0;
+#else
     const int s_per = (s_total + (int)gridDim.y - 1) / (int)gridDim.y;
     const int s_lo = split * s_per, s_hi = min(s_lo + s_per, s_total);
+#endif
     const int* s_idx = SideIndices + s_start;
     const int s_sid0 = s_lo + (threadIdx.x & 31) < s_hi ? s_idx[s_lo + (threadIdx.x & 31)] : 0;
 #endif
-    u8 (*qsm)[128] = (u8 (*)[128])(smem + w_ * WARP_SMEM);  // the query codes; later the warp's ring
+#if TMA && EARLY
+    // v7: the INT4 ring is filled first (all PIPE stages); its data lands while the query is rotated and the side
+    // share is taken, so the INT4 loop starts on full stages.
+    const int start = KvIndptr[b];
+    const int len = KvIndptr[b + 1] - start;
+    const int lo = split * chunk;
+    const int hi = ((ABLATE & 4) || side_cta) ? lo : min(lo + chunk, len);
+    const int* idx = KvIndices + start;
+    const u32 ring = (u32)__cvta_generic_to_shared(smem);
+    const u32 bars = ring + PIPE * STAGE_T;
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int st = 0; st < PIPE; ++st) mbar_init(bars + 8 * st, MBAR_COUNT);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    const int h0 = blockIdx.x * WARPS;
+    const u8* kc = KCodes + h0 * 64;
+    const u8* vc = VCodes + h0 * 64;
+    const u32* km = KMeta + h0;
+    const u32* vm = VMeta + h0;
+    int sids[PIPE];
+#pragma unroll
+    for (int st = 0; st < PIPE; ++st) sids[st] = lo + 32 * st + lane < hi ? idx[lo + 32 * st + lane] : 0;
+    __syncthreads();  // barriers initialised
+#pragma unroll
+    for (int st = 0; st < PIPE; ++st)
+        if (lo + 32 * st < hi) produce(ring + st * STAGE_T, bars + 8 * st, lane, w_, sids[st], kc, vc, km, vm);
+    int sid_next = lo + 32 * PIPE + lane < hi ? idx[lo + 32 * PIPE + lane] : 0;
+#endif
+    u8 (*qsm)[128] = (u8 (*)[128])(smem + QSM_OFF + w_ * WARP_SMEM);  // the query codes; later the warp's ring
     const int g = lane >> 2, t = lane & 3;
 
     // ---- query: rotate (fast Walsh-Hadamard, = x @ H of the normalised Sylvester matrix) and INT8 ----
@@ -554,7 +658,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
         float x[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) x[i] = q_elem(Q, base + i);
-        if (rotate) {
+        if (rotate && !(ABLATE & 8)) {
 #pragma unroll
             for (int st = 1; st < 16; st <<= 1)
 #pragma unroll
@@ -625,24 +729,27 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     float o[8][4];
 #pragma unroll
     for (int i = 0; i < 8; ++i) { o[i][0] = 0.f; o[i][1] = 0.f; o[i][2] = 0.f; o[i][3] = 0.f; }
-#if FUSE
+#if FUSE && !(ABLATE & 1)
 #define SIDE_SHARE() side_region(s_idx, s_lo, s_hi, s_sid0, KSide, KSideScale, VSide, VSideScale, h, lane, g, t, \
                                  qa, qb, qs, magic, m, l, o)
 #else
 #define SIDE_SHARE()
 #endif
     {
+#if !(TMA && EARLY)
     const int start = KvIndptr[b];
     const int len = KvIndptr[b + 1] - start;
     const int lo = split * chunk;
-    const int hi = min(lo + chunk, len);
+    const int hi = ((ABLATE & 4) || side_cta) ? lo : min(lo + chunk, len);
     const int* idx = KvIndices + start;
+#endif
     const u8* kb = KCodes + h * 64 + 16 * t;
     const u8* vb = VCodes + h * 64 + 8 * g;
     const u32* kmb = KMeta + h;
     const u32* vmb = VMeta + h;
 
 #if TMA
+#if !EARLY
     const u32 ring = (u32)__cvta_generic_to_shared(smem);
     const u32 bars = ring + PIPE * STAGE_T;
     if (threadIdx.x == 0) {
@@ -663,10 +770,14 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
                              km, vm);
     }
     int sid_next = lo + 32 * (PIPE - 1) + lane < hi ? idx[lo + 32 * (PIPE - 1) + lane] : 0;
+#endif
     int stage = 0;
     u32 phase = 0;
     SIDE_SHARE();
     for (int n0 = lo; n0 < hi; n0 += 32) {
+#if EARLY
+        if (n0 != lo) {  // all PIPE stages were filled at the start: nothing consumed yet at the first tile
+#endif
         __syncthreads();  // every warp is done with the stage consumed last tile: refill it
         {
             const int p0 = n0 + 32 * (PIPE - 1);
@@ -674,6 +785,9 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
             if (p0 < hi) produce(ring + ahead * STAGE_T, bars + 8 * ahead, lane, w_, sid_next, kc, vc, km, vm);
             sid_next = p0 + 32 + lane < hi ? idx[p0 + 32 + lane] : 0;
         }
+#if EARLY
+        }
+#endif
         mbar_wait(bars + 8 * stage, phase);
         Tile cur;
         read_stage_t(cur, ring + stage * STAGE_T, w_, g, t);
@@ -830,7 +944,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
             if (g == 0) PartLse[row * parts_ + split] = any ? M[c] + lg2(L[c]) : NEG_INF;
         }
     }
-#if FUSE
+#if FUSE && !(ABLATE & 2)
     merge_parts(PartOut, PartLse, Counter, Out, LseOut, b, parts);
 #endif
 }

@@ -4,7 +4,8 @@ One program per (block of ``BLOCK_T`` tokens, KV head). Keys are rotated in-regi
 (two half-width dots with the Hadamard matrix's column halves, producing directly the
 two halves that split-half packing wants), then every row gets INT4 codes in the token's
 slot and, when ``side_slots[i] >= 0``, an INT8 copy in its side slot. Reference:
-``kv4.reference.store_reference``.
+``kv4.reference.store_reference``. On a CUDA device ``kv4_store`` runs the CUDA kernel of ``store_cuda.cu``
+instead where it supports the shapes (v7); this Triton kernel is the fallback and the CPU-tested path.
 """
 
 from __future__ import annotations
@@ -70,9 +71,14 @@ def _store_kernel(
 
 def kv4_store(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               side_slots: torch.Tensor | None = None, *, rotate: bool = True, block_t: int = 64,
-              rot_prec: str = "tf32x3") -> None:
+              rot_prec: str = "tf32x3", backend: str = "auto") -> None:
     """Quantise ``k, v [N, Hkv, D]`` (post-RoPE) into ``slots [N]``; rows whose
-    ``side_slots`` entry is ``>= 0`` also get INT8 copies there."""
+    ``side_slots`` entry is ``>= 0`` also get INT8 copies there.
+
+    ``backend``: ``"auto"`` the CUDA kernel (store_cuda.py) where it supports the shapes and compiled, else Triton;
+    ``"triton"`` always Triton (``block_t``, ``rot_prec`` apply to it only); ``"cuda"`` the CUDA kernel or an error."""
+    if backend not in ("auto", "triton", "cuda"):
+        raise ValueError(f"kv4_store: backend must be 'auto', 'triton' or 'cuda', got {backend!r}")
     n, hkv, d = k.shape
     if v.shape != k.shape or hkv != cache.num_kv_heads or d != cache.head_dim:
         raise ValueError(f"kv4_store: k {tuple(k.shape)} / v {tuple(v.shape)} do not match the cache "
@@ -83,6 +89,15 @@ def kv4_store(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: tor
         k, v = k.contiguous(), v.contiguous()
     if side_slots is None:
         side_slots = torch.full((n,), -1, dtype=torch.int64, device=k.device)
+    if backend != "triton":
+        from . import store_cuda
+
+        fn = store_cuda.kernel(hkv, k.dtype, k.device) if store_cuda.supported(cache, k, v, slots, side_slots) else None
+        if fn is not None:
+            store_cuda.store(fn, cache, k, v, slots, side_slots, rotate)
+            return
+        if backend == "cuda":
+            raise RuntimeError(f"kv4_store: the CUDA kernel is unavailable here ({store_cuda._STATE.get('errors')})")
     hmat = device_hadamard(d, k.device)
     c = cache
     _store_kernel[(triton.cdiv(n, block_t), hkv)](

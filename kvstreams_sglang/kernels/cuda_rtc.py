@@ -1,0 +1,108 @@
+"""Run-time CUDA C for the KV4 kernels: NVRTC compiles a ``.cu`` file to a cubin for the device's architecture,
+libcuda loads and launches it on PyTorch's current stream. Plain ctypes over ``libnvrtc`` and ``libcuda``: no build
+step, no extra package. Shared by ``decode_cuda.py`` and ``store_cuda.py``; any failure there (library missing,
+compile error) makes the caller fall back to its Triton kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+
+import torch
+
+_LIBS: dict = {}
+
+
+def _load_lib(names, patterns):
+    """A library by path (``patterns``, first match; its directory's ``*-builtins`` libraries are loaded first,
+    globally: NVRTC opens ``libnvrtc-builtins`` by name) or else by soname (``names``)."""
+    for pat in patterns:
+        for path in sorted(glob.glob(pat), reverse=True):
+            if "builtins" in path or "alt" in os.path.basename(path):
+                continue
+            try:
+                for dep in glob.glob(os.path.join(os.path.dirname(path), "*-builtins.so*")):
+                    if "alt" not in os.path.basename(dep):
+                        ctypes.CDLL(dep, mode=ctypes.RTLD_GLOBAL)
+                return ctypes.CDLL(path)
+            except OSError:
+                pass
+    for name in names:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            pass
+    raise OSError(f"none of {names} found")
+
+
+def libs():
+    """``(libnvrtc, libcuda)``, loaded once."""
+    if "libs" not in _LIBS:
+        roots = [os.path.join(p, "nvidia") for p in sys.path if os.path.isdir(os.path.join(p, "nvidia"))]
+        pats = [os.path.join(r, "*", "lib", "libnvrtc.so*") for r in roots]
+        pats += [os.path.join(r, "*", "*", "lib", "libnvrtc.so*") for r in roots]
+        pats += ["/usr/local/cuda/lib64/libnvrtc.so*", "/usr/local/cuda*/targets/*/lib/libnvrtc.so*"]
+        nvrtc = _load_lib(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], pats)
+        cuda = _load_lib(["libcuda.so.1", "libcuda.so"], [])
+        cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                                        ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_void_p]
+        _LIBS["libs"] = (nvrtc, cuda)
+    return _LIBS["libs"]
+
+
+def compile_cubin(src_path: str, device: torch.device, defines: dict) -> bytes:
+    """NVRTC: ``src_path`` with ``-D`` ``defines`` -> cubin for ``device``'s architecture."""
+    nvrtc, _ = libs()
+    major, minor = torch.cuda.get_device_capability(device)
+    prog = ctypes.c_void_p()
+    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), open(src_path, "rb").read(),
+                                os.path.basename(src_path).encode(), 0, None, None):
+        raise RuntimeError("nvrtcCreateProgram failed")
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]
+    opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    if nvrtc.nvrtcCompileProgram(prog, len(opts), arr):
+        size = ctypes.c_size_t()
+        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[:2000]}")
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+    cubin = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetCUBIN(prog, cubin)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return cubin.raw
+
+
+def load_function(cubin: bytes, name: bytes, device: torch.device, smem: int = 0):
+    """Load ``cubin`` into ``device``'s primary context -> ``(CUfunction, CUmodule)``; ``smem`` above 48 KiB raises
+    the function's dynamic shared-memory limit."""
+    _, cuda = libs()
+    torch.cuda.current_device()  # the primary context is current on this thread
+    with torch.cuda.device(device):
+        torch.zeros(1, device=device)
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        if cuda.cuModuleLoadData(ctypes.byref(mod), cubin):
+            raise RuntimeError("cuModuleLoadData failed")
+        if cuda.cuModuleGetFunction(ctypes.byref(fn), mod, name):
+            raise RuntimeError("cuModuleGetFunction failed")
+        if smem > 48 * 1024 and cuda.cuFuncSetAttribute(fn, 8, ctypes.c_int(smem)):  # MAX_DYNAMIC_SHARED_SIZE_BYTES
+            raise RuntimeError("cuFuncSetAttribute failed")
+    return fn, mod
+
+
+def pack_params(vals):
+    """``void*[]`` of pointers to the ctypes values ``vals`` (cuLaunchKernel's kernelParams)."""
+    return (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
+
+
+def launch(fn, grid, block, smem: int, stream: int, params) -> None:
+    """``cuLaunchKernel`` with packed ``params``; raises on a nonzero CUresult."""
+    rc = libs()[1].cuLaunchKernel(fn, *grid, *block, smem, stream, params, None)
+    if rc:
+        raise RuntimeError(f"cuLaunchKernel failed: CUresult {rc}")

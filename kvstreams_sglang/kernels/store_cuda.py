@@ -1,0 +1,82 @@
+"""The KV4 store as a CUDA kernel (``store_cuda.cu``), compiled at run time by NVRTC (``cuda_rtc.py``).
+
+GPU only: the Triton kernel (``store._store_kernel``) stays the reference implementation and the CPU-tested path.
+``kv4_store`` takes this kernel on a CUDA device for the shapes it is written for (head dim 128, fp32/bf16/fp16
+K and V with 16-byte aligned rows, contiguous cache tensors, int32/int64 slot ids); anything else, or a failure to
+find NVRTC or to compile, falls back to Triton.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import torch
+
+from ..kv4.cache import KV4LayerCache
+from . import cuda_rtc
+
+_SRC = os.path.join(os.path.dirname(__file__), "store_cuda.cu")
+_STATE: dict = {}
+QTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+WARPS = 1  # store_cuda.cu: warps per CTA (default), 16 token-head vectors per warp
+
+
+def kernel(hkv: int, dtype: torch.dtype, device: torch.device, opts: dict | None = None):
+    """The loaded kernel for ``hkv`` KV heads and input ``dtype`` as ``(function, warps per CTA)``, or None where
+    NVRTC/libcuda are missing or the compilation failed (then never retried; the error is kept in
+    ``_STATE["errors"]``). ``opts``: store_cuda.cu defines (bench variants: WARPS, MIN_BLOCKS, LDHINT)."""
+    opts = dict(opts or {})
+    key = (str(device), hkv, dtype, tuple(sorted(opts.items())))
+    if key not in _STATE:
+        try:
+            defines = dict(HKV=hkv, QTYPE=QTYPES[dtype], WARPS=WARPS) | opts
+            fn = cuda_rtc.load_function(cuda_rtc.compile_cubin(_SRC, device, defines), b"kv4_store", device)[0]
+            _STATE[key] = (fn, defines["WARPS"])
+        except Exception as e:  # fall back to the Triton kernel
+            _STATE[key] = None
+            _STATE.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
+    return _STATE[key]
+
+
+def _rows_ok(x: torch.Tensor) -> bool:
+    """16-byte aligned vectors of contiguous elements."""
+    step = 16 // x.element_size()
+    return (x.stride(2) == 1 and x.stride(0) % step == 0 and x.stride(1) % step == 0
+            and x.data_ptr() % 16 == 0)
+
+
+def supported(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              side_slots: torch.Tensor) -> bool:
+    """Shapes and layouts the CUDA kernel is written for."""
+    if not (k.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"):
+        return False
+    n, hkv, d = k.shape
+    cache_tensors = (cache.k_codes, cache.k_meta, cache.v_codes, cache.v_meta, cache.k_side, cache.k_side_scale,
+                     cache.v_side, cache.v_side_scale)
+    return (d == 128 and k.dtype in QTYPES and v.dtype == k.dtype and _rows_ok(k) and _rows_ok(v)
+            and all(t.is_contiguous() and t.device == k.device for t in cache_tensors)
+            and slots.dtype in (torch.int32, torch.int64) and side_slots.dtype in (torch.int32, torch.int64)
+            and slots.is_contiguous() and side_slots.is_contiguous()
+            and n * hkv < 2 ** 31 and torch.cuda.get_device_capability(k.device) >= (8, 0))
+
+
+def store(fn, cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+          side_slots: torch.Tensor, rotate: bool) -> None:
+    """Launch the loaded kernel ``fn`` (``kernel``'s answer) on the current stream (arguments as ``kv4_store``'s,
+    checked by ``supported``)."""
+    n, hkv, _ = k.shape
+    nvec = n * hkv
+    c = cache
+    ptrs = (k, v)
+    vals = [ctypes.c_uint64(t.data_ptr()) for t in ptrs]
+    vals += [ctypes.c_longlong(s) for s in (k.stride(0), k.stride(1), v.stride(0), v.stride(1))]
+    vals += [ctypes.c_uint64(slots.data_ptr()), ctypes.c_uint64(side_slots.data_ptr()),
+             ctypes.c_int(int(slots.dtype == torch.int64)), ctypes.c_int(int(side_slots.dtype == torch.int64))]
+    vals += [ctypes.c_uint64(t.data_ptr()) for t in (c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side,
+                                                     c.k_side_scale, c.v_side, c.v_side_scale)]
+    vals += [ctypes.c_int(nvec), ctypes.c_int(int(rotate))]
+    warps = fn[1]
+    blocks = (nvec + 16 * warps - 1) // (16 * warps)
+    stream = torch.cuda.current_stream(k.device).cuda_stream
+    cuda_rtc.launch(fn[0], (blocks, 1, 1), (32 * warps, 1, 1), 0, stream, cuda_rtc.pack_params(vals))
