@@ -78,6 +78,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="a local checkpoint (default: a random 0.6B-shaped model)")
     p.add_argument("--no-long", action="store_true", help="skip the 32k flex-vs-dense timing")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="only the batch-invariant mode: Engine(batch_invariant=True) vs impl='invariant' (and "
+                        "the default kernels on the same episodes), plus its cost; writes "
+                        "trainer_parity_invariant_h200.json")
     args = p.parse_args()
     if args.model_path:
         path, model = args.model_path, f"{args.model_path} (bf16)"
@@ -88,6 +92,8 @@ def main():
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
     command = "python -m bench.trainer_parity" + (f" --model-path {args.model_path}" if args.model_path else "")
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, command=command, model=model)
+    if args.batch_invariant:
+        return invariant_parity(path, trainer, result)
     for kv in ("bf16", "kv4rl"):
         eng = Engine(str(path), kv_dtype=kv, device="cuda", dtype=torch.bfloat16, max_tokens=65536, max_streams=8)
         rows = {}
@@ -117,6 +123,46 @@ def main():
                                        mean_abs=float(d.mean()), flex_s=t_flex, sdpa_dense_s=t_sdpa,
                                        speedup=t_sdpa / t_flex)
     print("flex vs dense 32k:", result["flex_vs_dense_32k"], flush=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def invariant_parity(path, trainer, result):
+    """Engine(batch_invariant=True) + stream_logprobs(impl="invariant") on each eviction pattern; the
+    default engine + flex on the same patterns beside it; then what the mode costs."""
+    from kvstreams_sglang.engine import Engine
+    from kvstreams_sglang.testing.episodes import EVICTION_PATTERNS, scripted_episode
+    from trainer_masks import stream_logprobs
+
+    result["command"] += " --batch-invariant"
+    for inv in (True, False):
+        eng = Engine(str(path), kv_dtype="bf16", device="cuda", dtype=torch.bfloat16, max_tokens=65536, max_streams=8,
+                     batch_invariant=inv)
+        rows = {}
+        for name, spec in EVICTION_PATTERNS.items():
+            t = time.perf_counter()
+            rec = scripted_episode(eng, **spec, turns=12, max_turn_tokens=60, env_tokens=(20, 80), seed=3)
+            sample_s = time.perf_counter() - t
+            with torch.no_grad():
+                impl = "invariant" if inv else "flex"
+                rows[f"{name}/{impl}"] = dict(parity(rec, stream_logprobs(trainer, rec, impl=impl)),
+                                              sample_s=sample_s)
+            print("invariant" if inv else "default", name, rows[f"{name}/{impl}"], flush=True)
+        result["engine_bf16_invariant" if inv else "engine_bf16_default"] = rows
+        del eng
+        torch.cuda.empty_cache()
+    cost = {}
+    for n in (4096, 16384):
+        rec = long_record(n)
+        with torch.no_grad():
+            lp_inv, t_inv = timed(lambda rec=rec: stream_logprobs(trainer, rec, impl="invariant"))
+            lp_flex, t_flex = timed(lambda rec=rec: stream_logprobs(trainer, rec, impl="flex"))
+        d = (lp_inv.float() - lp_flex.float()).abs()[1:]
+        cost[f"score_{n}"] = dict(invariant_s=t_inv, flex_s=t_flex, ratio=t_inv / t_flex,
+                                  max_abs_vs_flex=float(d.max()), mean_abs_vs_flex=float(d.mean()))
+        print("score", n, cost[f"score_{n}"], flush=True)
+    result["cost"] = cost
+    out = os.path.join(os.environ.get("OUT", "bench/results"), "trainer_parity_invariant_h200.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
 

@@ -48,6 +48,9 @@ class InferenceConfig(Section):
     recent: int = Field(128, ge=0)
     max_tokens: int = Field(65536, ge=64, description="KV pool slots")
     max_streams: int = Field(256, ge=1)
+    batch_invariant: bool = Field(False, description="matmuls, norms and attention through batch-invariant kernels "
+                                  "(bf16 KV only; the trainer needs trainer.impl = 'invariant'): the trainer's bf16 "
+                                  "logprobs then equal the sampler's bit for bit, at some speed cost")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="engine device; under torchrun e.g. cuda:2 (trainer ranks use cuda:LOCAL_RANK)")
 
@@ -95,7 +98,9 @@ class TrainerConfig(Section):
                              "weighs the same, its tokens share it (GRPO)")
     micro_batch_records: int = Field(4, ge=1, description="records packed per forward (attention is quadratic "
                                                           "in the packed length on the dense CPU path)")
-    impl: Literal["auto", "sdpa", "flex"] = "auto"
+    impl: Literal["auto", "sdpa", "flex", "invariant"] = Field(
+        "auto", description="attention for scoring: auto (flex on CUDA, sdpa on CPU), sdpa, flex, or invariant (the "
+                            "batch-invariant kernels, with inference.batch_invariant)")
 
 
 class RunConfig(Section):
@@ -123,6 +128,12 @@ class Config(Section):
         if i.engine == "sglang" and self.orchestrator.reprefill_on_update:
             raise ValueError("orchestrator.reprefill_on_update needs inference.engine = 'builtin' (SGLang sessions "
                              "keep their KV across weight updates)")
+        if i.batch_invariant != (self.trainer.impl == "invariant"):
+            raise ValueError("inference.batch_invariant = true and trainer.impl = 'invariant' go together: the "
+                             "logprobs match only when both sides run the batch-invariant kernels")
+        if i.batch_invariant and (i.kv_dtype != "bf16" or i.engine != "builtin"):
+            raise ValueError("inference.batch_invariant needs inference.kv_dtype = 'bf16' and inference.engine = "
+                             "'builtin' (INT4 rounding and SGLang's kernels are not replayed bit for bit)")
         if c.budget is not None and c.budget > self.orchestrator.max_tokens:
             raise ValueError(f"compaction.budget ({c.budget}) exceeds orchestrator.max_tokens "
                              f"({self.orchestrator.max_tokens})")

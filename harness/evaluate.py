@@ -63,7 +63,7 @@ def make_engine(cfg: Config, model_path: str, device: torch.device) -> Engine:
     i = cfg.inference
     return Engine(model_path, kv_dtype=i.kv_dtype, device=device,
                   dtype=torch.float32 if device.type == "cpu" else None, max_tokens=i.max_tokens,
-                  max_streams=i.max_streams, sink=i.sink, recent=i.recent)
+                  max_streams=i.max_streams, sink=i.sink, recent=i.recent, batch_invariant=i.batch_invariant)
 
 
 def episode_config(cfg: Config, temperature: float) -> EpisodeConfig:

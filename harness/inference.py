@@ -25,7 +25,8 @@ class BuiltinInference:
 
         self.engine = Engine(model_path, kv_dtype=cfg.kv_dtype, device=device,
                              dtype=torch.float32 if device.type == "cpu" else None, max_tokens=cfg.max_tokens,
-                             max_streams=cfg.max_streams, sink=cfg.sink, recent=cfg.recent)
+                             max_streams=cfg.max_streams, sink=cfg.sink, recent=cfg.recent,
+                             batch_invariant=cfg.batch_invariant)
         self.client = BuiltinClient(self.engine)
 
     async def start(self) -> None:

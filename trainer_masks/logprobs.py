@@ -22,12 +22,14 @@ from typing import Literal, overload
 
 import torch
 
+from .invariant import invariant_kernels, packed_plan
+from .invariant import register as register_invariant
 from .lm_head import decoder, fp32_logits
 from .masks import PackedBatch, flex_block_mask, pack
 from .record import StreamRecord
 
-Impl = Literal["auto", "sdpa", "flex"]
-HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention"}
+Impl = Literal["auto", "sdpa", "flex", "invariant"]
+HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention", "invariant": "kvstreams_invariant"}
 ROWS_PER_CHUNK = 1024  # bounds the float32 [rows, vocab] buffer at ~0.6 GB for a 152k vocab
 
 
@@ -41,9 +43,10 @@ class StreamScores:
     loss_mask: torch.Tensor  # [T] bool
 
 
-def resolve_impl(impl: Impl, device: torch.device) -> Literal["sdpa", "flex"]:
+def resolve_impl(impl: Impl, device: torch.device) -> Literal["sdpa", "flex", "invariant"]:
     """``"auto"``: FlexAttention on CUDA, where block sparsity skips evicted keys; SDPA elsewhere,
-    where compiling flex costs more than the dense mask saves."""
+    where compiling flex costs more than the dense mask saves. ``"invariant"``: batch-invariant
+    kernels (``trainer_masks.invariant``), bit-equal to an ``Engine(batch_invariant=True)``."""
     if impl == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if impl not in HF_ATTENTION:
@@ -104,7 +107,18 @@ def score_packed(model: torch.nn.Module, packed: PackedBatch, *, impl: Impl = "a
     device = model.device
     impl = resolve_impl(impl, device)
     packed = packed.to(device)
-    if impl == "flex":
+    extra = {}
+    masked = impl
+    if impl == "invariant":
+        # forward: the stream-attention kernel; the regular mask is only built for backward
+        masked = resolve_impl("auto", device)
+        text = model.config.get_text_config()
+        extra = dict(stream_plan=packed_plan(packed, text.num_attention_heads // text.num_key_value_heads),
+                     backward_impl=HF_ATTENTION[masked])
+        register_invariant()
+    if impl == "invariant" and not torch.is_grad_enabled():
+        mask = None
+    elif masked == "flex":
         mask = flex_block_mask(packed, device)
     else:
         mask = packed.dense_mask()[None, None]  # [1, 1, N, N] bool, True = attend
@@ -120,13 +134,14 @@ def score_packed(model: torch.nn.Module, packed: PackedBatch, *, impl: Impl = "a
 
     hook = decoder(model).norm.register_forward_hook(head)
     try:
-        with attention_implementation(model, HF_ATTENTION[impl]):
+        with attention_implementation(model, HF_ATTENTION[impl]), invariant_kernels(impl == "invariant", device):
             model(
                 input_ids=packed.input_ids,
                 position_ids=packed.position_ids,
                 attention_mask=layer_masks(model, mask),
                 use_cache=False,
                 logits_to_keep=1,  # the model's own (bf16) head only for one row; ours is above
+                **extra,
             )
     finally:
         hook.remove()

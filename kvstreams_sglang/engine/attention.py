@@ -22,18 +22,24 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import bf16_decode, plan_decode
+from ..kernels.stream_attention import stream_attention
 from ..kv4.attend import kv4_attention_step
 from ..streams import FullPrecisionPool, KV4Pool, SlotTable
-from .batch import ForwardBatch, StepItem, build_full_precision_batch, build_kv4_batch
+from .batch import ForwardBatch, StepItem, build_full_precision_batch, build_invariant_batch, build_kv4_batch
 
 ATTENTION_NAME = "kvstreams"
 
 
 class FullPrecisionBackend:
-    def __init__(self, pool: FullPrecisionPool):
-        self.pool = pool
+    """``invariant``: every step through the batch-invariant stream attention, the kernel the
+    trainer replays with (``kernels.stream_attention``), instead of gather + SDPA / paged decode."""
+
+    def __init__(self, pool: FullPrecisionPool, *, invariant: bool = False, group: int = 1):
+        self.pool, self.invariant, self.group = pool, invariant, group
 
     def prepare(self, items: list[StepItem], mode, table: SlotTable, device) -> ForwardBatch:
+        if self.invariant:
+            return build_invariant_batch(items, mode, table, device, group=self.group)
         fb = build_full_precision_batch(items, mode, table, device)
         if mode == "decode" and torch.device(device).type == "cuda":
             # Paged Triton decode on the GPU; the gather + SDPA path stays the CPU reference.
@@ -47,6 +53,8 @@ class FullPrecisionBackend:
         kp, vp = self.pool.k[layer], self.pool.v[layer]
         kp[fb.out_slots] = k.to(kp.dtype)
         vp[fb.out_slots] = v.to(vp.dtype)
+        if fb.invariant_plan is not None:
+            return stream_attention(q, kp, vp, fb.invariant_plan, sm_scale=scaling)
         if fb.decode_plan is not None:
             return bf16_decode(q, kp, vp, fb.decode_plan, sm_scale=scaling)
         keys = kp[fb.kv_gather].transpose(1, 2)  # [B, Hkv, L, D]

@@ -21,8 +21,10 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from trainer_masks import PackedBatch, StreamRecord, flex_block_mask, pack
+from trainer_masks.invariant import packed_plan
 from trainer_masks.logprobs import HF_ATTENTION, resolve_impl
 
+from ..kernels.stream_attention import StreamAttentionPlan, key_row_map, plan_stream_attention
 from ..kv4.regions import csr, new_side_slots, region_lists
 from ..streams import KV4Pool, KVStream, SlotTable
 
@@ -55,6 +57,7 @@ class ForwardBatch:
     side_slots: torch.Tensor | None = None  # [N], -1 = no INT8 copy
     kv4: dict = field(default_factory=dict)  # kv_indptr, kv_indices, side_indptr, side_indices
     decode_plan: object | None = None
+    invariant_plan: StreamAttentionPlan | None = None  # batch-invariant attention (bf16 KV)
 
     @property
     def batch_size(self) -> int:
@@ -116,6 +119,16 @@ def build_full_precision_batch(items: list[StepItem], mode, table: SlotTable, de
     return fb
 
 
+def build_invariant_batch(items: list[StepItem], mode, table: SlotTable, device, *, group: int) -> ForwardBatch:
+    """Batch-invariant attention: each stream's kept slots (new ones included) by position, the
+    same map the trainer builds from its records (``kernels.stream_attention``)."""
+    fb, r = _common(items, mode, table, device)
+    stream = torch.arange(len(items), device=device)[:, None].expand_as(r.valid_after)[r.valid_after]
+    key_rows = key_row_map(len(items), stream, r.positions[r.valid_after], r.slots[r.valid_after])
+    fb.invariant_plan = plan_stream_attention(fb.qo_indptr[:-1], r.num_new, fb.positions, key_rows, group=group)
+    return fb
+
+
 def build_kv4_batch(items: list[StepItem], mode, table: SlotTable, pool: KV4Pool, device) -> ForwardBatch:
     """Region lists per stream. Extend attends to the prefix as cached *before* the step
     (new tokens see each other in full precision, then are stored); decode stores the
@@ -140,11 +153,12 @@ class ReplayBatch:
     the rows whose KV is still resident goes (their existing slots)."""
 
     packed: PackedBatch  # on the device; input_ids / position_ids [1, N]
-    mask: torch.Tensor | BlockMask  # dense bool [1, 1, N, N] (SDPA) or a FlexAttention BlockMask
-    attention: Literal["sdpa", "flex_attention"]  # the HF attention function that computes it
+    mask: torch.Tensor | BlockMask | None  # dense bool [1, 1, N, N] (SDPA) or a FlexAttention BlockMask
+    attention: Literal["sdpa", "flex_attention", "kvstreams_invariant"]  # the HF attention function
     live_rows: torch.Tensor  # [L] rows of the pack whose KV is resident
     live_slots: torch.Tensor  # [L] their slots
     side_slots: torch.Tensor | None = None  # [L] KV4 only: INT8 side slot, -1 = none
+    stream_plan: StreamAttentionPlan | None = None  # impl="invariant": the stream-attention plan (mask is None)
 
     @property
     def num_tokens(self) -> int:
@@ -161,16 +175,19 @@ def computed_record(stream: KVStream) -> StreamRecord:
                         policy_versions=rec.policy_versions[:n], evictions=rec.evictions)
 
 
-def build_replay_batch(streams: list[KVStream], device, *, impl="auto", pool=None) -> ReplayBatch:
+def build_replay_batch(streams: list[KVStream], device, *, impl="auto", pool=None, group: int = 1) -> ReplayBatch:
     """Pack ``streams`` (each with computed tokens) for one masked forward, exactly as
     ``trainer_masks.score_streams`` packs their records (same mask rule ``k <= q < death[k]``,
     SDPA + dense mask on CPU, FlexAttention on CUDA). ``pool``: a ``KV4Pool`` to also compute
     each live token's INT8 side slot with the store rule (kept ``p < sink`` or
-    ``p >= num_computed - recent``)."""
+    ``p >= num_computed - recent``). ``impl="invariant"``: the batch-invariant stream attention
+    (``group``: query heads per KV head), no mask."""
     device = torch.device(device)
     impl = resolve_impl(impl, device)
     packed = pack([computed_record(st) for st in streams]).to(device)
-    mask = flex_block_mask(packed, device) if impl == "flex" else packed.dense_mask()[None, None]
+    plan = packed_plan(packed, group) if impl == "invariant" else None
+    mask = None if plan is not None else flex_block_mask(packed, device) if impl == "flex" \
+        else packed.dense_mask()[None, None]
     as_long = dict(dtype=torch.long, device=device)
     rows, slots, positions, ends, stream_rows = [], [], [], [], []
     for st, off in zip(streams, packed.offsets, strict=True):
@@ -180,7 +197,7 @@ def build_replay_batch(streams: list[KVStream], device, *, impl="auto", pool=Non
         ends.extend([st.num_computed] * len(st.positions))
         stream_rows.extend([st.row] * len(st.positions))
     batch = ReplayBatch(packed=packed, mask=mask, attention=HF_ATTENTION[impl], live_rows=torch.tensor(rows, **as_long),
-                        live_slots=torch.tensor(slots, **as_long))
+                        live_slots=torch.tensor(slots, **as_long), stream_plan=plan)
     if isinstance(pool, KV4Pool):
         sink, recent = pool.sink, pool.recent
         pos, end, row = (torch.tensor(x, **as_long) for x in (positions, ends, stream_rows))

@@ -68,11 +68,14 @@ class Engine:
     def __init__(self, model_path: str, *, kv_dtype: Literal["bf16", "kv4rl"] = "bf16", device="cpu",
                  dtype: torch.dtype | None = None, max_tokens: int = 65536, max_streams: int = 256,
                  sink: int = 16, recent: int = 128, max_prefill_tokens: int = 16384,
-                 max_context: int | None = None):
+                 max_context: int | None = None, batch_invariant: bool = False):
         if kv_dtype not in ("bf16", "kv4rl"):
             raise ValueError(f"kv_dtype must be 'bf16' or 'kv4rl', got {kv_dtype!r}")
+        if batch_invariant and kv_dtype != "bf16":
+            raise ValueError("batch_invariant needs kv_dtype='bf16': the trainer cannot replay INT4 rounding "
+                             "bit for bit")
         self.device = torch.device(device)
-        self.runner = ModelRunner(model_path, device=self.device, dtype=dtype)
+        self.runner = ModelRunner(model_path, device=self.device, dtype=dtype, batch_invariant=batch_invariant)
         r = self.runner
         self.kv_dtype = kv_dtype
         if kv_dtype == "kv4rl":
@@ -82,7 +85,7 @@ class Engine:
         else:
             pool = FullPrecisionPool(r.num_layers, max_tokens, r.num_kv_heads, r.head_dim, dtype=r.dtype,
                                      device=self.device)
-            self.backend = FullPrecisionBackend(pool)
+            self.backend = FullPrecisionBackend(pool, invariant=batch_invariant, group=r.num_heads // r.num_kv_heads)
         self.pool = pool
         self.table = StreamTable(max_tokens, max_streams)
         self.slot_table = SlotTable(max_streams, max_context or min(max_tokens, 65536), self.device)
@@ -130,17 +133,19 @@ class Engine:
         self.policy_version = self.policy_version + 1 if version is None else version
         return self.policy_version
 
-    def reprefill(self, sids: list[int] | None = None, *, impl: Literal["auto", "sdpa", "flex"] = "auto") -> int:
+    def reprefill(self, sids: list[int] | None = None,
+                  *, impl: Literal["auto", "sdpa", "flex", "invariant"] = "auto") -> int:
         """Recompute the kept KV of streams with the current weights, in place (KV4-RL's
         re-prefill of carried prefixes after a weight update). Returns the number of tokens run.
 
         Each stream's computed tokens ``[0, num_computed)`` -- evicted ones included, at their
         original positions -- go through one forward under the trainer's eviction mask
         ``k <= q < death[k]`` (``trainer_masks``: SDPA + dense mask on CPU, FlexAttention on CUDA
-        with ``impl="auto"``), since a kept token's KV depends on every token that was alive when
-        it was written. Only the still-resident tokens' K/V is written, into the slots they
-        already own (same positions; KV4: INT4 codes and, for sink / most recent positions, the
-        INT8 side copies). Afterwards the engine's KV equals what the trainer's replay of the
+        with ``impl="auto"``; the batch-invariant kernels on a ``batch_invariant`` engine, whose
+        recomputed KV is then the trainer's bit for bit), since a kept token's KV depends on
+        every token that was alive when it was written. Only the still-resident tokens' K/V is
+        written, into the slots they already own (same positions; KV4: INT4 codes and, for sink /
+        most recent positions, the INT8 side copies). Afterwards the engine's KV equals what the trainer's replay of the
         stream under the current weights computes. Slots, positions, eviction history, sampled
         logprobs and versions are unchanged; pending tokens (appended, or the last sampled one)
         stay pending and are computed by the next step. Several streams are packed into one
@@ -170,8 +175,12 @@ class Engine:
                 groups.append([])
             groups[-1].append(st)
         total = 0
+        r = self.runner
+        if impl == "auto" and r.batch_invariant:
+            impl = "invariant"
         for group in groups:
-            replay(self.runner.model, self.pool, build_replay_batch(group, self.device, impl=impl, pool=self.pool))
+            replay(r.model, self.pool, build_replay_batch(group, self.device, impl=impl, pool=self.pool,
+                                                          group=r.num_heads // r.num_kv_heads))
             n = sum(st.num_computed for st in group)
             self.stats.tokens_reprefilled_on_update += n
             total += n

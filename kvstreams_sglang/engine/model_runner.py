@@ -13,6 +13,7 @@ import torch
 
 from trainer_masks.lm_head import decoder, fp32_logits
 
+from ..kernels.batch_invariant import batch_invariant
 from .attention import register
 from .batch import ForwardBatch
 
@@ -31,13 +32,19 @@ def load_model(model_path: str, *, device, dtype: torch.dtype | None):
 
 
 class ModelRunner:
-    def __init__(self, model_path: str, *, device, dtype: torch.dtype | None = None):
+    """``batch_invariant``: matmuls and norm reductions through ``kernels.batch_invariant`` (the
+    trainer's scoring with ``impl="invariant"`` does the same), so a token's hidden states do not
+    depend on what else the step computes."""
+
+    def __init__(self, model_path: str, *, device, dtype: torch.dtype | None = None, batch_invariant: bool = False):
         self.device = torch.device(device)
+        self.batch_invariant = batch_invariant
         self.model, self.config = load_model(model_path, device=self.device, dtype=dtype)
         self.dtype = next(self.model.parameters()).dtype
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self.num_layers = text.num_hidden_layers
         self.num_kv_heads = text.num_key_value_heads
+        self.num_heads = text.num_attention_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.layer_types = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]))
         self._head_fp32: torch.Tensor | None = None  # fp32 copy of the LM head, refreshed on weight updates
@@ -47,7 +54,8 @@ class ModelRunner:
         """Returns logits ``[B, V]`` (float32, fp32 LM head) at each stream's last new token."""
         # Triton launches on the calling thread's current device: make it the engine's (a
         # trainer may share the process on another GPU)
-        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+        with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext(), \
+                batch_invariant(self.batch_invariant, device_type=self.device.type.upper()):
             hidden = decoder(self.model)(
                 input_ids=fb.input_ids[None],
                 position_ids=fb.positions[None],

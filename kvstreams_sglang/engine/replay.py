@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 
+from trainer_masks.invariant import invariant_kernels
+from trainer_masks.invariant import register as register_invariant
 from trainer_masks.lm_head import decoder
 from trainer_masks.logprobs import attention_implementation, layer_masks
 
@@ -77,9 +79,13 @@ def replay(model: torch.nn.Module, pool: FullPrecisionPool | KV4Pool, batch: Rep
     device = batch.packed.input_ids.device
     # Triton (kv4_store) launches on the calling thread's current device: make it the engine's.
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with on_device, attention_implementation(model, register()):
+    invariant = batch.stream_plan is not None
+    extra = {"stream_plan": batch.stream_plan} if invariant else {}
+    if invariant:
+        register_invariant()
+    with on_device, attention_implementation(model, register()), invariant_kernels(invariant, device):
         decoder(model)(input_ids=batch.packed.input_ids, position_ids=batch.packed.position_ids,
-                       attention_mask=mask, use_cache=False, kv_replay=writer)
+                       attention_mask=mask, use_cache=False, kv_replay=writer, **extra)
     num_layers = len(pool.layers) if isinstance(pool, KV4Pool) else len(pool.k)
     if writer.layers_written != num_layers:
         raise RuntimeError(f"re-prefill wrote {writer.layers_written} of {num_layers} layers' KV: the model's "
