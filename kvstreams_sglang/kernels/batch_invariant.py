@@ -17,6 +17,7 @@ override. The kernel is the same on CPU under Triton's interpreter (tests regist
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -84,7 +85,8 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     out = torch.empty(rows.shape[0], dtype=x.dtype, device=x.device)
     if rows.shape[0]:
-        _row_mean_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=ROW_BLOCK)
+        with launch_guard():
+            _row_mean_kernel[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=ROW_BLOCK)
     return out.view(x.shape[:-1])
 
 
@@ -104,15 +106,26 @@ def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -
     if bias is not None:
         bias = bias.contiguous()
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
-    _matmul_kernel[grid](a, b, c, bias if bias is not None else c, m, n, k, a.stride(0), a.stride(1), b.stride(0),
-                         b.stride(1), c.stride(0), c.stride(1), HAS_BIAS=bias is not None,
-                         EMULATE=interpreted(), BM=BLOCK_M, BN=BLOCK_N,
-                         BK=BLOCK_K, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    with launch_guard():
+        _matmul_kernel[grid](a, b, c, bias if bias is not None else c, m, n, k, a.stride(0), a.stride(1),
+                             b.stride(0), b.stride(1), c.stride(0), c.stride(1), HAS_BIAS=bias is not None,
+                             EMULATE=interpreted(), BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=NUM_WARPS,
+                             num_stages=NUM_STAGES)
     return c
 
 
 def interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_interpreter_lock = threading.Lock()
+
+
+def launch_guard() -> contextlib.AbstractContextManager:
+    """Triton's interpreter keeps the running grid in global state: two threads launching at once (the
+    engine's and the trainer's forward in the async loop on CPU) corrupt each other. Compiled launches
+    need no lock."""
+    return _interpreter_lock if interpreted() else contextlib.nullcontext()
 
 
 class _Override:

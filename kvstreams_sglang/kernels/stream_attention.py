@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .batch_invariant import interpreted, invariant_dot
+from .batch_invariant import interpreted, invariant_dot, launch_guard
 from .decode import LOG2E
 
 BLOCK_N, NUM_WARPS, MIN_ROWS = 64, 4, 16
@@ -153,14 +153,15 @@ def stream_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: St
         return out
     km = plan.key_rows
     has_death = plan.death is not None
-    _stream_attention_kernel[(plan.tile_seq.numel(), hkv)](
-        q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), out, out.stride(0),
-        out.stride(1),
-        plan.tile_seq, plan.tile_tok, plan.tile_cnt, plan.q_pos, plan.q_rows if has_death else plan.q_pos,
-        km, km.stride(0), km.shape[1], plan.death if has_death else km, sm_scale * LOG2E,
-        GROUP=group, BLOCK_Q=plan.block_q, BLOCK_N=BLOCK_N, D=d, HAS_DEATH=has_death,
-        EMULATE=interpreted(), num_warps=NUM_WARPS,
-    )
+    with launch_guard():
+        _stream_attention_kernel[(plan.tile_seq.numel(), hkv)](
+            q, q.stride(0), q.stride(1), k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), out, out.stride(0),
+            out.stride(1),
+            plan.tile_seq, plan.tile_tok, plan.tile_cnt, plan.q_pos, plan.q_rows if has_death else plan.q_pos,
+            km, km.stride(0), km.shape[1], plan.death if has_death else km, sm_scale * LOG2E,
+            GROUP=group, BLOCK_Q=plan.block_q, BLOCK_N=BLOCK_N, D=d, HAS_DEATH=has_death,
+            EMULATE=interpreted(), num_warps=NUM_WARPS,
+        )
     return out
 
 
