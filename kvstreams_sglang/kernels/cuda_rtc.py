@@ -62,7 +62,8 @@ def compile_cubin(src_path: str, device: torch.device, defines: dict) -> bytes:
     if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), open(src_path, "rb").read(),
                                 os.path.basename(src_path).encode(), 0, None, None):
         raise RuntimeError("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17"]
+    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17",
+            f"--include-path={os.path.dirname(os.path.abspath(src_path))}".encode()]  # kv4_ptx.cuh
     opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
     arr = (ctypes.c_char_p * len(opts))(*opts)
     if nvrtc.nvrtcCompileProgram(prog, len(opts), arr):

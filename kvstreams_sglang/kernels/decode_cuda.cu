@@ -26,16 +26,7 @@
 //   adds the INT8 side region and merges.
 // Tile i+1's codes/meta are loaded into registers before tile i's math, tile i+2's slot ids before that.
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-
-#ifndef HKV
-#define HKV 8
-#endif
-#ifndef QTYPE
-#define QTYPE 1
-#endif
+#include "kv4_ptx.cuh"  // u32/u16/u8, HKV / QTYPE defaults, FULL, h2f, f2h, prmt
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 2
 #endif
@@ -92,22 +83,16 @@ typedef unsigned char u8;
 #define QSM_OFF 0
 #endif
 
-#define FULL 0xffffffffu
 #define NEG_INF __int_as_float(0xff800000)
 #define SLOT_BYTES (HKV * 64)
 
 __device__ __forceinline__ float ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
 __device__ __forceinline__ float lg2(float x) { float y; asm("lg2.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
-__device__ __forceinline__ float h2f(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ u16 f2h(float f) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ u32 pack_h2(float lo, float hi) {
     u32 r; asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
 __device__ __forceinline__ u32 movtrans(u32 x) {
     u32 y; asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x)); return y;
-}
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
 }
 __device__ __forceinline__ u32 lop_or_and(u32 a, u32 mask, u32 magic) {  // (a & mask) | magic
     u32 d; asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(magic)); return d;
@@ -283,6 +268,17 @@ __device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int s
 #else
 #define produce produce_v5
 #define MBAR_COUNT 1
+#endif
+
+#if TMA
+// Thread 0 initialises the ring's PIPE stage barriers (the caller syncs before any warp uses them).
+__device__ __forceinline__ void init_ring_barriers(u32 bars) {
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int st = 0; st < PIPE; ++st) mbar_init(bars + 8 * st, MBAR_COUNT);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+}
 #endif
 
 __device__ __forceinline__ void read_stage_t(Tile& T, u32 st, int hl, int g, int t) {
@@ -628,11 +624,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     const int* idx = KvIndices + start;
     const u32 ring = (u32)__cvta_generic_to_shared(smem);
     const u32 bars = ring + PIPE * STAGE_T;
-    if (threadIdx.x == 0) {
-#pragma unroll
-        for (int st = 0; st < PIPE; ++st) mbar_init(bars + 8 * st, MBAR_COUNT);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    init_ring_barriers(bars);
     const int h0 = blockIdx.x * WARPS;
     const u8* kc = KCodes + h0 * 64;
     const u8* vc = VCodes + h0 * 64;
@@ -752,11 +744,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
 #if !EARLY
     const u32 ring = (u32)__cvta_generic_to_shared(smem);
     const u32 bars = ring + PIPE * STAGE_T;
-    if (threadIdx.x == 0) {
-#pragma unroll
-        for (int st = 0; st < PIPE; ++st) mbar_init(bars + 8 * st, MBAR_COUNT);
-        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    }
+    init_ring_barriers(bars);
     __syncthreads();  // barriers initialised; every warp has read its query operand (the ring overwrites it)
     const int h0 = blockIdx.x * WARPS;
     const u8* kc = KCodes + h0 * 64;

@@ -2,8 +2,8 @@
 // vector to INT4 (split-half packing) + fp16 (scale, offset), scatter to shuffled slots; INT8 side copies for rows
 // whose side slot is >= 0. Reference: kv4.reference.store_reference; Triton twin: store._store_kernel.
 //
-// Compiled at run time by NVRTC (store_cuda.py) with -DHKV=<KV heads> -DQTYPE=<0 fp32 | 1 bf16 | 2 fp16>; no
-// headers. Fixed head dim 128; the cache tensors are contiguous (slot-major, kv4/cache.py).
+// Compiled at run time by NVRTC (store_cuda.py) with -DHKV=<KV heads> -DQTYPE=<0 fp32 | 1 bf16 | 2 fp16>; shared
+// helpers in kv4_ptx.cuh. Fixed head dim 128; the cache tensors are contiguous (slot-major, kv4/cache.py).
 //
 // One warp owns 16 consecutive token-head vectors v = t * HKV + h (rows g and g + 8 of an mma tile; lane = 4 g + q).
 // Lane q holds, of each of its two vectors, the four 16-byte chunks j = 0..3 at elements 8 (4 j + q) .. + 7: every
@@ -21,16 +21,7 @@
 // rounded via a reciprocal and one Markstein correction (residual by fma, exact); rotated K codes use one fma
 // against the folded reciprocal (its rotation differs from the reference's GEMM by rounding anyway).
 
-typedef unsigned int u32;
-typedef unsigned short u16;
-typedef unsigned char u8;
-
-#ifndef HKV
-#define HKV 8
-#endif
-#ifndef QTYPE
-#define QTYPE 1
-#endif
+#include "kv4_ptx.cuh"  // u32/u16/u8, HKV / QTYPE defaults, FULL, h2f, f2h, prmt
 #ifndef WARPS
 #define WARPS 1  // warps per CTA (v7 bench: 1 warp per CTA, 16 CTAs per SM, 1.6% faster than 4 x 4)
 #endif
@@ -38,13 +29,10 @@ typedef unsigned char u8;
 #define MIN_BLOCKS ((QTYPE == 0 ? 8 : 16) / WARPS)  // 16 warps per SM: <= 128 registers (bf16/fp16, no spills)
 #endif
 
-#define FULL 0xffffffffu
 #define MAGIC 12582912.0f  // 1.5 * 2^23: add.rm(t, MAGIC) = MAGIC + floor(t) for |t| < 2^22
 #define RSQRT128 0.0883883461356163f  // fp32(1 / sqrt(128)), the reference matrix's entry
 #define CR (QTYPE == 0 ? 8 : 4)  // 32-bit registers per 8-element chunk
 
-__device__ __forceinline__ float h2f(u16 h) { float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f; }
-__device__ __forceinline__ u16 f2h(float f) { u16 h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h; }
 __device__ __forceinline__ float fmul_rn(float a, float b) { float d; asm("mul.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
 __device__ __forceinline__ float fadd_rn(float a, float b) { float d; asm("add.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
 __device__ __forceinline__ float fsub_rn(float a, float b) { float d; asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
@@ -52,9 +40,6 @@ __device__ __forceinline__ float fadd_rm(float a, float b) { float d; asm("add.r
 __device__ __forceinline__ float fdiv_rn(float a, float b) { float d; asm("div.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b)); return d; }
 __device__ __forceinline__ float ffma_rn(float a, float b, float c) {
     float d; asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(d) : "f"(a), "f"(b), "f"(c)); return d;
-}
-__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
-    u32 d; asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel)); return d;
 }
 __device__ __forceinline__ u32 bf16x2(float lo, float hi) {
     u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
