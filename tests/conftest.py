@@ -28,3 +28,12 @@ def device() -> torch.device:
     """Where kernel tests run: the GPU when there is one (compiled Triton), else the CPU
     (Triton's interpreter). The same specifications hold on both."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _seeded_global_rng():
+    """Every test starts from the same global torch RNG state, whatever ran before it: tests that draw
+    with ``torch.randn`` (kernel inputs) see the same data in a full run, a ``-k`` subset or alone. (A
+    random query can land within ~1e-7 of an INT8 code boundary, where two summation orders of the
+    Hadamard rotation disagree by one code; with an order-dependent draw that showed up as a rare flake.)"""
+    torch.manual_seed(0)

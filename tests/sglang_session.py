@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 PROMPT = [(7 * i + 3) % 250 for i in range(40)]
 OBS = [[(5 * i + 11) % 250 for i in range(12)], [(3 * i + 1) % 250 for i in range(9)],
@@ -75,7 +76,13 @@ def main(model: str, out: str, kv4rl: bool) -> None:
     res["turns"] = turns
     res["record"] = streams.stream_record(sid).model_dump(mode="json")
     streams.close(sid)
-    res["pool_end"] = eng.pool_info()
+    # The RPC socket is not ordered with the request queue that carries the close: give the scheduler a
+    # bounded moment to free the session's slots before reading the pool (a leak still shows after it).
+    deadline = time.monotonic() + 10
+    while (info := eng.pool_info())["available_tokens"] != res["pool_start"]["available_tokens"] \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)
+    res["pool_end"] = info
     eng.shutdown()
     with open(out, "w") as f:
         json.dump(res, f)

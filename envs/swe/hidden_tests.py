@@ -11,6 +11,8 @@ from __future__ import annotations
 import ast
 import textwrap
 
+from .pyparse import parse
+
 _DEFS = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
 
 
@@ -32,7 +34,7 @@ def _lines(node: ast.AST) -> tuple[int, int]:
 def source_of(text: str, test_id: str) -> str | None:
     """The source of the function ``test_id`` names, dedented, if the file defines it."""
     try:
-        node = _find(ast.parse(text).body, test_id)
+        node = _find(parse(text).body, test_id)
     except SyntaxError:
         return None
     if node is None:
@@ -44,7 +46,7 @@ def source_of(text: str, test_id: str) -> str | None:
 def remove_tests(text: str, test_ids: list[str]) -> tuple[str, list[str]]:
     """``text`` without the functions of ``test_ids`` that it defines; (new text, ids removed).
     Nothing is removed when the result would not parse (a class left empty)."""
-    body = ast.parse(text).body
+    body = parse(text).body
     spans, removed = set(), []
     for test_id in test_ids:
         if (node := _find(body, test_id)) is not None:
@@ -55,7 +57,7 @@ def remove_tests(text: str, test_ids: list[str]) -> tuple[str, list[str]]:
         del lines[first - 1:last]
     new = "".join(lines)
     try:
-        ast.parse(new)
+        parse(new)
     except SyntaxError:
         return text, []
     return new, removed

@@ -20,6 +20,8 @@ import ast
 import re
 from dataclasses import dataclass
 
+from .pyparse import parse
+
 OPERATORS = ("flip_comparison", "change_arithmetic", "flip_boolean", "off_by_one", "remove_condition",
              "remove_statement", "swap_arguments")
 
@@ -52,7 +54,7 @@ class Mutation:
         start, end, new = self.edit
         source = text[:start] + new + text[end:]
         try:
-            ast.parse(source)
+            parse(source)
         except SyntaxError:
             return None
         return source
@@ -213,7 +215,7 @@ class _Sites(ast.NodeVisitor):
 def mutations(path: str, text: str) -> list[Mutation]:
     """Every single-edit mutation site of ``text``, in source order."""
     try:
-        tree = ast.parse(text)
+        tree = parse(text)
     except SyntaxError:
         return []
     sites = _Sites(text)
