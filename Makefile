@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/python -m pip install --upgrade pip
 	$(VENV)/bin/python -m pip install torch==2.13.0
 	# fast-downward-textworld (ALFWorld) builds by calling a bare `python`: the venv must come first on PATH
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python -m pip install -e ".[dev,textworld,alfworld,sglang-cpu]"
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(VENV)/bin/python -m pip install -e ".[dev,textworld,alfworld,sglang-cpu,cuda-compile]"
 	$(MAKE) sglang-cpu PYTHON=$(VENV)/bin/python
 	touch $(STAMP)
 

@@ -104,7 +104,8 @@ def timed_ms(fn) -> float:
 def parse_alts(text):
     """``name:key=val,key=val;name:...`` -> [(name, {plan_decode kwargs}, {DecodePlan field overrides})]."""
     fields = {"block_h", "max_registers", "cuda_min_blocks", "cuda_warps", "cuda_pipe", "cuda_tma", "cuda_fuse",
-              "cuda_issue", "cuda_early", "cuda_merge", "cuda_side_ctas", "cuda_ablate"}
+              "cuda_issue", "cuda_early", "cuda_merge", "cuda_side_ctas", "cuda_ablate", "cuda_wgroups",
+              "cuda_wside"}
     alts = []
     for part in filter(None, (text or "").split(";")):
         name, _, spec = part.partition(":")

@@ -27,6 +27,7 @@ def trainer_case(t=150, seed=0):
     death = torch.full((t,), NO_DEATH, dtype=torch.long, device=DEV)
     death[10:40] = 90  # evicted when the stream reached index 90
     death[50:61] = 120
+    death[64:128] = 130  # the whole second block of positions: skipped by queries from 130 on
     pos = torch.arange(t, device=DEV)
     plan = plan_stream_attention(torch.tensor([0], device=DEV), torch.tensor([t], device=DEV), pos,
                                  key_row_map(1, torch.zeros(t, device=DEV), pos, pos),
@@ -58,7 +59,7 @@ def test_stream_attention_matches_float64_reference():
     assert (out.double() - ref).abs().mean() < 2e-3
 
 
-@pytest.mark.parametrize("first,last", [(130, 130), (95, 110), (0, 0), (149, 149)])
+@pytest.mark.parametrize("first,last", [(130, 130), (95, 110), (0, 0), (149, 149), (130, 149)])
 def test_sampler_and_trainer_layouts_give_identical_bits(first, last):
     q, k, v, death, plan = trainer_case()
     full = stream_attention(q, k, v, plan, sm_scale=D ** -0.5)

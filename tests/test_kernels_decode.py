@@ -5,6 +5,7 @@ import torch
 from kv4_cases import filled_cache, rel_l2
 
 from kvstreams_sglang.kernels import kv4_decode, plan_decode
+from kvstreams_sglang.kernels.decode import cuda_options
 from kvstreams_sglang.kv4.reference import decode_reference
 
 
@@ -105,34 +106,40 @@ def _tie_free_query(shape, dtype, device, seed: int) -> torch.Tensor:
     return q
 
 
+# The CUDA kernel's launch variants: (lengths, KV heads, splits, query dtype, DecodePlan field overrides). Run on the
+# GPU below; every one is also compiled for sm_90 on any machine with NVRTC (tests/test_cuda_sources.py).
+CUDA_VARIANTS = [
+    ([300, 17, 1000, 2500], 8, None, torch.float32, {}),  # tails, an all-INT8 request, several splits
+    ([300, 17, 1000, 2500], 8, 3, torch.bfloat16, {}),  # a non-power-of-two split count, bf16 in and out
+    ([5000], 8, 1, torch.float16, {}),  # one long split (online softmax over 150 tiles)
+    ([300, 17, 200], 2, 2, torch.float32, {}),  # 2 KV heads (2 warps per CTA)
+    ([17, 100], 8, None, torch.float32, {}),  # empty INT4 region everywhere
+    ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_warps=8, cuda_min_blocks=2)),  # 8 warps per CTA
+    ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_pipe=3, cuda_warps=4, cuda_min_blocks=4)),  # cp.async
+    ([300, 17, 1000, 5000], 8, 3, torch.bfloat16, dict(cuda_tma=1, cuda_pipe=3, cuda_warps=8, cuda_min_blocks=2)),
+    ([300, 17, 1000, 5000], 8, None, torch.float32, dict(cuda_tma=1, cuda_pipe=2, cuda_warps=4, cuda_min_blocks=4)),
+    ([300, 17, 1000, 2500], 8, 3, torch.bfloat16, dict(cuda_fuse=0, cuda_issue=0)),  # v5: + Triton side/merge
+    ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_fuse=1, cuda_issue=0)),  # fused, v5 producers
+    ([300, 17, 1000, 2500], 8, 3, torch.float16, dict(cuda_fuse=0, cuda_issue=1)),  # unfused, v6 producers
+    ([1, 150, 144, 145, 7000], 8, 2, torch.float32, {}),  # side region only, side region + 1 INT4 slot
+    ([300, 17, 1000, 5000], 8, 3, torch.bfloat16, dict(cuda_early=1)),  # v7: ring filled at kernel start
+    ([300, 17, 1000, 2500], 8, None, torch.float32, dict(cuda_early=1, cuda_merge=1)),  # + one-pass merge
+    ([1, 150, 144, 145, 7000], 8, 2, torch.float32, dict(cuda_early=1, cuda_merge=1)),  # side only / 1 slot
+    ([300, 17, 1000, 5000], 8, 3, torch.float16, dict(cuda_early=1, cuda_pipe=3)),  # 3 stages filled early
+    ([5000, 3000, 40], 8, 11, torch.float32, dict(cuda_merge=1)),  # 11 parts: the merge's 4-part groups
+    ([300, 17, 1000, 2500], 8, 3, torch.bfloat16, dict(cuda_side_ctas=1)),  # v7: a side-region CTA per request
+    ([1, 150, 144, 145, 7000], 8, 2, torch.float32, dict(cuda_side_ctas=2, cuda_early=1)),  # 2, side only
+    ([300, 17, 1000, 5000], 8, None, torch.float16, dict(cuda_side_ctas=1, cuda_early=1, cuda_merge=1)),
+    ([300, 17, 1000, 2500], 8, 2, torch.bfloat16, dict(cuda_wgroups=2)),  # v8: 2 warps per KV head, own parts
+    ([1, 150, 144, 145, 7000], 8, 2, torch.float32, dict(cuda_wgroups=2)),  # side only / 1 slot / odd tiles
+    ([5000, 3000, 40], 8, 3, torch.float16, dict(cuda_wgroups=2, cuda_merge=1, cuda_pipe=3)),  # 3 stages of 64
+    ([300, 17, 1000, 2500], 8, 2, torch.bfloat16, dict(cuda_wgroups=2, cuda_wside=1)),  # v8: side warps beside
+    ([1, 150, 144, 145, 7000], 8, 3, torch.float32, dict(cuda_wgroups=2, cuda_wside=1)),  # side only, 1 slot
+]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA INT4 kernel runs on a GPU only")
-@pytest.mark.parametrize(
-    "lengths,hkv,splits,dtype,variant",
-    [
-        ([300, 17, 1000, 2500], 8, None, torch.float32, {}),  # tails, an all-INT8 request, several splits
-        ([300, 17, 1000, 2500], 8, 3, torch.bfloat16, {}),  # a non-power-of-two split count, bf16 in and out
-        ([5000], 8, 1, torch.float16, {}),  # one long split (online softmax over 150 tiles)
-        ([300, 17, 200], 2, 2, torch.float32, {}),  # 2 KV heads (2 warps per CTA)
-        ([17, 100], 8, None, torch.float32, {}),  # empty INT4 region everywhere
-        ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_warps=8, cuda_min_blocks=2)),  # 8 warps per CTA
-        ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_pipe=3, cuda_warps=4, cuda_min_blocks=4)),  # cp.async
-        ([300, 17, 1000, 5000], 8, 3, torch.bfloat16,
-         dict(cuda_tma=1, cuda_pipe=3, cuda_warps=8, cuda_min_blocks=2)),  # bulk-copy ring
-        ([300, 17, 1000, 5000], 8, None, torch.float32, dict(cuda_tma=1, cuda_pipe=2, cuda_warps=4, cuda_min_blocks=4)),
-        ([300, 17, 1000, 2500], 8, 3, torch.bfloat16, dict(cuda_fuse=0, cuda_issue=0)),  # v5: + Triton side/merge
-        ([300, 17, 1000, 2500], 8, 3, torch.float32, dict(cuda_fuse=1, cuda_issue=0)),  # fused, v5 producers
-        ([300, 17, 1000, 2500], 8, 3, torch.float16, dict(cuda_fuse=0, cuda_issue=1)),  # unfused, v6 producers
-        ([1, 150, 144, 145, 7000], 8, 2, torch.float32, {}),  # side region only, side region + 1 INT4 slot
-        ([300, 17, 1000, 5000], 8, 3, torch.bfloat16, dict(cuda_early=1)),  # v7: ring filled at kernel start
-        ([300, 17, 1000, 2500], 8, None, torch.float32, dict(cuda_early=1, cuda_merge=1)),  # + one-pass merge
-        ([1, 150, 144, 145, 7000], 8, 2, torch.float32, dict(cuda_early=1, cuda_merge=1)),  # side only / 1 slot
-        ([300, 17, 1000, 5000], 8, 3, torch.float16, dict(cuda_early=1, cuda_pipe=3)),  # 3 stages filled early
-        ([5000, 3000, 40], 8, 11, torch.float32, dict(cuda_merge=1)),  # 11 parts: the merge's 4-part groups
-        ([300, 17, 1000, 2500], 8, 3, torch.bfloat16, dict(cuda_side_ctas=1)),  # v7: a side-region CTA per request
-        ([1, 150, 144, 145, 7000], 8, 2, torch.float32, dict(cuda_side_ctas=2, cuda_early=1)),  # 2, side only
-        ([300, 17, 1000, 5000], 8, None, torch.float16, dict(cuda_side_ctas=1, cuda_early=1, cuda_merge=1)),
-    ],
-)
+@pytest.mark.parametrize("lengths,hkv,splits,dtype,variant", CUDA_VARIANTS)
 def test_decode_cuda_int4_kernel_matches_reference(lengths, hkv, splits, dtype, variant):
     """The CUDA kernel (decode_cuda.py; each launch variant; fused with the side region and the merge, or followed
     by the Triton side/merge launch) equals the torch reference."""
@@ -144,9 +151,9 @@ def test_decode_cuda_int4_kernel_matches_reference(lengths, hkv, splits, dtype, 
     cache, meta, _ = filled_cache(lengths, hkv=hkv, seed=len(lengths) + hkv, device=device)
     q = _tie_free_query((len(lengths), 4 * hkv, 128), dtype, device, seed=len(lengths) * 100 + hkv)
     plan = dataclasses.replace(plan_decode(**meta, num_kv_heads=hkv, cuda_int4=1, cuda_splits=splits), **variant)
-    fn = decode_cuda.kernel(hkv, dtype, device, plan.cuda_min_blocks, plan.cuda_warps, plan.cuda_pipe, plan.cuda_tma,
-                            plan.cuda_fuse, plan.cuda_issue, plan.cuda_early, plan.cuda_merge, plan.cuda_side_ctas)
+    fn = decode_cuda.kernel(hkv, dtype, device, **cuda_options(plan))
     assert fn is not None, decode_cuda._STATE.get("errors")
+    assert fn[6] == plan.cuda_wgroups  # the variant asked for, not a fallback
     ref_out, ref_lse = decode_reference(q.float(), cache, **meta)
     tol = 1e-3 if dtype == torch.float32 else 1e-2
     for _ in range(2):  # the second call takes the cached launch paths (and reuses the merge's ticket counters)

@@ -1,7 +1,8 @@
 """Run-time CUDA C for the KV4 kernels: NVRTC compiles a ``.cu`` file to a cubin for the device's architecture,
 libcuda loads and launches it on PyTorch's current stream. Plain ctypes over ``libnvrtc`` and ``libcuda``: no build
 step, no extra package. Shared by ``decode_cuda.py`` and ``store_cuda.py``; any failure there (library missing,
-compile error) makes the caller fall back to its Triton kernel.
+compile error) makes the caller fall back to its Triton kernel. Compiling needs only NVRTC, so CI (no GPU) builds
+every kernel variant for sm_90 and checks ptxas's register and spill report.
 """
 
 from __future__ import annotations
@@ -38,46 +39,61 @@ def _load_lib(names, patterns):
     raise OSError(f"none of {names} found")
 
 
-def libs():
-    """``(libnvrtc, libcuda)``, loaded once."""
-    if "libs" not in _LIBS:
+def nvrtc():
+    """``libnvrtc``, loaded once (a pip ``nvidia-cuda-nvrtc`` wheel on ``sys.path`` or the CUDA toolkit's): enough
+    to compile, also on a machine without a GPU (``tests/test_cuda_sources.py``)."""
+    if "nvrtc" not in _LIBS:
         roots = [os.path.join(p, "nvidia") for p in sys.path if os.path.isdir(os.path.join(p, "nvidia"))]
         pats = [os.path.join(r, "*", "lib", "libnvrtc.so*") for r in roots]
         pats += [os.path.join(r, "*", "*", "lib", "libnvrtc.so*") for r in roots]
         pats += ["/usr/local/cuda/lib64/libnvrtc.so*", "/usr/local/cuda*/targets/*/lib/libnvrtc.so*"]
-        nvrtc = _load_lib(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], pats)
+        _LIBS["nvrtc"] = _load_lib(["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"], pats)
+    return _LIBS["nvrtc"]
+
+
+def libs():
+    """``(libnvrtc, libcuda)``, loaded once."""
+    if "libs" not in _LIBS:
         cuda = _load_lib(["libcuda.so.1", "libcuda.so"], [])
         cuda.cuLaunchKernel.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                                         ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_void_p]
-        _LIBS["libs"] = (nvrtc, cuda)
+        _LIBS["libs"] = (nvrtc(), cuda)
     return _LIBS["libs"]
 
 
-def compile_cubin(src_path: str, device: torch.device, defines: dict) -> bytes:
-    """NVRTC: ``src_path`` with ``-D`` ``defines`` -> cubin for ``device``'s architecture."""
-    nvrtc, _ = libs()
-    major, minor = torch.cuda.get_device_capability(device)
+def _log(lib, prog) -> str:
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    return log.value.decode(errors="replace")
+
+
+def compile_cubin(src_path: str, arch: tuple[int, int], defines: dict, *, with_log: bool = False):
+    """NVRTC: ``src_path`` with ``-D`` ``defines`` -> cubin for compute capability ``arch`` (a device's
+    ``torch.cuda.get_device_capability``). ``with_log``: also ptxas's resource report (registers, spills) as
+    ``(cubin, log)``."""
+    lib = nvrtc()
     prog = ctypes.c_void_p()
-    if nvrtc.nvrtcCreateProgram(ctypes.byref(prog), open(src_path, "rb").read(),
-                                os.path.basename(src_path).encode(), 0, None, None):
+    if lib.nvrtcCreateProgram(ctypes.byref(prog), open(src_path, "rb").read(),
+                              os.path.basename(src_path).encode(), 0, None, None):
         raise RuntimeError("nvrtcCreateProgram failed")
-    opts = [f"--gpu-architecture=sm_{major}{minor}".encode(), b"--std=c++17",
+    opts = [f"--gpu-architecture=sm_{arch[0]}{arch[1]}".encode(), b"--std=c++17",
             f"--include-path={os.path.dirname(os.path.abspath(src_path))}".encode()]  # kv4_ptx.cuh
+    opts += [b"--ptxas-options=-v"] if with_log else []
     opts += [f"-D{k}={v}".encode() for k, v in defines.items()]
     arr = (ctypes.c_char_p * len(opts))(*opts)
-    if nvrtc.nvrtcCompileProgram(prog, len(opts), arr):
+    try:
+        if lib.nvrtcCompileProgram(prog, len(opts), arr):
+            raise RuntimeError(f"NVRTC: {_log(lib, prog)[:2000]}")
         size = ctypes.c_size_t()
-        nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        raise RuntimeError(f"NVRTC: {log.value.decode(errors='replace')[:2000]}")
-    size = ctypes.c_size_t()
-    nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size))
-    cubin = ctypes.create_string_buffer(size.value)
-    nvrtc.nvrtcGetCUBIN(prog, cubin)
-    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
-    return cubin.raw
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        return (cubin.raw, _log(lib, prog)) if with_log else cubin.raw
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
 
 def load_function(cubin: bytes, name: bytes, device: torch.device, smem: int = 0):

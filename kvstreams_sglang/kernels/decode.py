@@ -291,6 +291,8 @@ class DecodePlan:
     cuda_early: int = 0  # 1: the ring's stages (all of them) issued at kernel start, before the query and side (v7)
     cuda_merge: int = 0  # 1: the merging CTA reads the splits' parts in one pass (v7)
     cuda_side_ctas: int = 0  # fused: S > 0 more CTAs per request take the INT8 side region alone (v7); 0 split shares
+    cuda_wgroups: int = 1  # fused: warps per KV head; 2: CTAs of 16 warps, one per SM, alternate tiles (v8)
+    cuda_wside: int = 0  # with cuda_wgroups 2: group 0 streams the INT4 region, group 1 the side share beside it (v8)
     cuda_ablate: int = 0  # bench attribution only (decode_cuda.cu ABLATE: parts of the work left out, wrong results)
     int4_tokens: int = 0  # INT4 slots of the step (kv_indices' length), for the auto choice
     # Per-step host state the launcher fills on first use (workspaces, the per-layer launch arguments): not
@@ -408,7 +410,7 @@ def _workspace(plan: DecodePlan, bsz: int, hq: int, hkv: int, d: int, device) ->
     key = ("ws", bsz, hq, hkv, d, str(device))
     hit = plan._host.get(key)
     if hit is None:
-        parts = plan.num_splits + max(1, plan.cuda_side_ctas)  # + the side region's part(s)
+        parts = plan.num_splits * plan.cuda_wgroups + max(1, plan.cuda_side_ctas)  # + the side region's part(s)
         ws = (torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=device),
               torch.empty(bsz, hq, parts, dtype=torch.float32, device=device),
               torch.empty(bsz, hq, dtype=torch.float32, device=device),
@@ -439,6 +441,13 @@ def _cuda_plan(plan: DecodePlan) -> DecodePlan:
     return hit
 
 
+def cuda_options(plan: DecodePlan) -> dict:
+    """The plan's CUDA kernel options, as ``decode_cuda.kernel`` / ``decode_cuda.variant`` take them."""
+    return dict(min_blocks=plan.cuda_min_blocks, warps=plan.cuda_warps, pipe=plan.cuda_pipe, tma=plan.cuda_tma,
+                fuse=plan.cuda_fuse, issue=plan.cuda_issue, early=plan.cuda_early, merge=plan.cuda_merge,
+                side=plan.cuda_side_ctas, ablate=plan.cuda_ablate, wgroups=plan.cuda_wgroups, wside=plan.cuda_wside)
+
+
 def _cuda_kernel(q: torch.Tensor, plan: DecodePlan, hkv: int, group: int, d: int, rotate: bool):
     """The CUDA INT4 kernel when the plan selects it and it runs here, else None (Triton kernel). Decided once
     per (plan, query dtype and device, shape)."""
@@ -452,9 +461,7 @@ def _cuda_kernel(q: torch.Tensor, plan: DecodePlan, hkv: int, group: int, d: int
         from . import decode_cuda
 
         if decode_cuda.supported(q, hkv, group, d, plan.kv_indices):
-            fn = decode_cuda.kernel(hkv, q.dtype, q.device, plan.cuda_min_blocks, plan.cuda_warps, plan.cuda_pipe,
-                                    plan.cuda_tma, plan.cuda_fuse, plan.cuda_issue, plan.cuda_early,
-                                    plan.cuda_merge, plan.cuda_side_ctas, plan.cuda_ablate)
+            fn = decode_cuda.kernel(hkv, q.dtype, q.device, **cuda_options(plan))
     plan._host[key] = fn
     return fn
 
@@ -498,7 +505,8 @@ def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_sc
             launcher = plan._host[lkey] = decode_cuda.Launcher(
                 cuda_fn, (plan.num_splits + cuda_fn[5], bsz), hkv,
                 (q_ptr, head[1], head[2], *cache_ptrs[:4], tail[0], tail[1], head[3], head[4], *cache_ptrs[4:],
-                 tail[2], 0, 0), plan.chunk, plan.num_splits + (cuda_fn[5] if cuda_fn[4] else 1), sm_scale * LOG2E,
+                 tail[2], 0, 0), plan.chunk,
+                plan.num_splits * cuda_fn[6] + cuda_fn[5] if cuda_fn[4] else plan.num_splits + 1, sm_scale * LOG2E,
                 FP16_MAGIC, rotate)
         launcher(q_ptr, driver.active.get_current_stream(q.device.index), out.data_ptr(), lse.data_ptr())
         if cuda_fn[4]:  # fused: side region and merge done in the same launch

@@ -62,6 +62,24 @@
 #define SIDE_CTAS 0  // v7, FUSE only: 0 each split CTA takes a share of the side region before its INT4 loop (v6);
                      // S > 0: S more CTAs per request take the side region alone (grid y = splits + S)
 #endif
+#ifndef WGROUPS
+#define WGROUPS 1  // v8, TMA + FUSE + ISSUE only: warps per KV head. With 2, a CTA of 2 x WARPS warps (one per SM, 128
+                   // registers each) streams 32 * WGROUPS-slot ring stages; warp group p takes rows 32p..32p+31 of each
+                   // stage (alternate 32-slot tiles) and its own share of the side region, into its own online-softmax
+                   // state, and writes its own part (parts = splits x WGROUPS): twice the warps per SM where one CTA per
+                   // SM is all the grid has (64x2k: 128 CTAs), for the prologue, side share and merge of one CTA
+#endif
+#ifndef WSIDE
+#define WSIDE 0  // v8, WGROUPS 2 only: warp group 0 streams the INT4 region alone (32-slot stages) while warp group 1
+                 // takes the split's share of the INT8 side region alone, beside it (warp specialisation: the side
+                 // region's dependent loads no longer sit in front of the INT4 loop); each group writes its own part
+#endif
+#if WSIDE && WGROUPS != 2
+#error "WSIDE needs WGROUPS 2"
+#endif
+#if WGROUPS > 1 && (!TMA || !FUSE || !ISSUE || EARLY || SIDE_CTAS)
+#error "WGROUPS > 1 needs the fused bulk-copy ring with the v6 producers (TMA, FUSE, ISSUE), without EARLY or SIDE_CTAS"
+#endif
 #ifndef ABLATE
 #define ABLATE 0  // bench attribution only (wrong results): 1 no side share, 2 no merge, 4 no INT4 region, 8 no rotation
 #endif
@@ -71,7 +89,12 @@
 // 16-byte row pad staggers the banks of the warps' 8- and 16-byte reads.
 #define ROW_T (WARPS * 64 + 16)
 #define META_T (WARPS * 4)
-#define STAGE_T (2 * 32 * ROW_T + 2 * 32 * META_T)
+#if WSIDE
+#define ROWS 32  // slots per stage (warp group 0's)
+#else
+#define ROWS (32 * WGROUPS)  // slots per stage
+#endif
+#define STAGE_T (2 * ROWS * ROW_T + 2 * ROWS * META_T)
 #define WARP_SMEM 512  // query codes, aliased with the start of the ring (used before the first copy)
 #if EARLY
 #define QSM_OFF ((PIPE * STAGE_T + 8 * PIPE + 15) / 16 * 16)  // after the ring and its barriers
@@ -240,15 +263,16 @@ __device__ __forceinline__ void produce_v5(u32 st, u32 bar, int lane, int w_, in
 // lane 0 issues each K / V code copy once; the 32-byte meta rows (2 x 32 per tile) are 4-byte cp.async, one word
 // per thread, whose completion the stage's mbarrier also waits for (cp.async.mbarrier.arrive.noinc: the barrier
 // expects WARPS * 32 such arrivals besides warp 0's expect_tx arrival).
-__device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int sid, const u8* kc, const u8* vc,
-                                        const u32* km, const u32* vm) {
+// With WGROUPS > 1, a warp group produces rows wrow..wrow+31 of the stage from its own slot ids ``sid``.
+__device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int wrow, int sid, const u8* kc,
+                                        const u8* vc, const u32* km, const u32* vm) {
     constexpr int RPW = 32 / WARPS;  // rows per warp
-    if (w_ == 0 && lane == 0) mbar_expect(bar, 32 * 2 * WARPS * 64);
+    if (w_ == 0 && wrow == 0 && lane == 0) mbar_expect(bar, ROWS * 2 * WARPS * 64);
     {
-        const int mrow = w_ * RPW + lane / WARPS, mh = lane % WARPS;
+        const int mrow = w_ * RPW + lane / WARPS, mh = lane % WARPS, arow = wrow + mrow;
         const size_t ms = (size_t)(unsigned)__shfl_sync(FULL, sid, mrow);
-        cp4(st + 64 * ROW_T + mrow * META_T + mh * 4, km + ms * HKV + mh);
-        cp4(st + 64 * ROW_T + 32 * META_T + mrow * META_T + mh * 4, vm + ms * HKV + mh);
+        cp4(st + 2 * ROWS * ROW_T + arow * META_T + mh * 4, km + ms * HKV + mh);
+        cp4(st + 2 * ROWS * ROW_T + ROWS * META_T + arow * META_T + mh * 4, vm + ms * HKV + mh);
         cp_arrive_noinc(bar);
     }
     const int wu = __reduce_max_sync(FULL, (unsigned)w_);  // the warp index in a uniform register
@@ -258,15 +282,15 @@ __device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int s
     if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-            const int row = wu * RPW + r;
+            const int row = wrow + wu * RPW + r;
             bulk(st + row * ROW_T, kc + s[r] * SLOT_BYTES, WARPS * 64, bar);
-            bulk(st + 32 * ROW_T + row * ROW_T, vc + s[r] * SLOT_BYTES, WARPS * 64, bar);
+            bulk(st + ROWS * ROW_T + row * ROW_T, vc + s[r] * SLOT_BYTES, WARPS * 64, bar);
         }
     }
 }
-#define MBAR_COUNT (WARPS * 32 + 1)
+#define MBAR_COUNT (WARPS * (ROWS / 32) * 32 + 1)  // the producing warps' threads + the expect_tx arrival
 #else
-#define produce produce_v5
+#define produce(st, bar, lane, w_, wrow, sid, kc, vc, km, vm) produce_v5(st, bar, lane, w_, sid, kc, vc, km, vm)
 #define MBAR_COUNT 1
 #endif
 
@@ -281,24 +305,24 @@ __device__ __forceinline__ void init_ring_barriers(u32 bars) {
 }
 #endif
 
-__device__ __forceinline__ void read_stage_t(Tile& T, u32 st, int hl, int g, int t) {
+__device__ __forceinline__ void read_stage_t(Tile& T, u32 st, int hl, int g, int t, int rb) {  // rb: first row
     const int gt = t >> 1;
 #pragma unroll
     for (int gr = 0; gr < 2; ++gr)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) T.k[gr][r] = lds16(st + (16 * gr + g + 8 * r) * ROW_T + hl * 64 + 16 * t);
+        for (int r = 0; r < 2; ++r) T.k[gr][r] = lds16(st + (rb + 16 * gr + g + 8 * r) * ROW_T + hl * 64 + 16 * t);
 #pragma unroll
     for (int sg = 0; sg < 2; ++sg)
 #pragma unroll
         for (int gr = 0; gr < 2; ++gr)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-                T.v[sg][gr][e] = lds8(st + 32 * ROW_T + (16 * gr + 8 * sg + 2 * t + e) * ROW_T + hl * 64 + 8 * g);
+                T.v[sg][gr][e] = lds8(st + (ROWS + rb + 16 * gr + 8 * sg + 2 * t + e) * ROW_T + hl * 64 + 8 * g);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = 16 * gt + g + 8 * r;
-        T.kw[r] = lds4(st + 64 * ROW_T + row * META_T + hl * 4);
-        T.vw[r] = lds4(st + 64 * ROW_T + 32 * META_T + row * META_T + hl * 4);
+        const int row = rb + 16 * gt + g + 8 * r;
+        T.kw[r] = lds4(st + 2 * ROWS * ROW_T + row * META_T + hl * 4);
+        T.vw[r] = lds4(st + 2 * ROWS * ROW_T + ROWS * META_T + row * META_T + hl * 4);
     }
 }
 #endif
@@ -490,7 +514,12 @@ __device__ __forceinline__ void merge_parts(const float* PartOut, const float* P
     int* cnt = Counter + b * gridDim.x + blockIdx.x;
     if (threadIdx.x == 0) ticket = atomicAdd(cnt, 1);
     __syncthreads();
+#if WGROUPS > 1
+    if (ticket != (int)gridDim.y - 1) return;  // the CTAs of this request (each writes WGROUPS of the parts)
+    if (threadIdx.x >= WARPS * 32) return;      // the merge's layout: WARPS * 32 threads
+#else
     if (ticket != parts - 1) return;
+#endif
     __threadfence();
     const int rr = threadIdx.x >> 3, seg = threadIdx.x & 7;  // WARPS * 4 rows x 8 segments of 16 dims
     const size_t row = (size_t)b * (HKV * 4) + blockIdx.x * (WARPS * 4) + rr;
@@ -570,7 +599,7 @@ __device__ __forceinline__ void merge_parts(const float* PartOut, const float* P
 }
 #endif
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(WARPS * 32 * WGROUPS, MIN_BLOCKS)
 kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, const int* __restrict__ KvIndices,
                 const u8* __restrict__ KCodes, const u32* __restrict__ KMeta,
                 const u8* __restrict__ VCodes, const u32* __restrict__ VMeta,
@@ -582,7 +611,10 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
                 int chunk, int parts, float sm_scale_log2, u32 magic, int rotate)
 {
     extern __shared__ __align__(16) u8 smem[];  // WARPS x WARP_SMEM (dynamic)
-    const int lane = threadIdx.x & 31, w_ = threadIdx.x >> 5, h = blockIdx.x * WARPS + w_;
+    // warp group wg (WGROUPS > 1): its 32-slot tiles, side share and part (a constant 0 otherwise: the v7 kernel)
+    const int wg = WGROUPS > 1 ? (int)(threadIdx.x >> 5) / WARPS : 0;
+    const int lane = threadIdx.x & 31, w_ = (threadIdx.x >> 5) - wg * WARPS, h = blockIdx.x * WARPS + w_;
+    const int wrow = WSIDE ? 0 : 32 * wg;  // the group's first row in a ring stage
 #if SIDE_CTAS
     // v7: grid y = INT4 splits + SIDE_CTAS; in launch (dispatch) order all INT4 CTAs come first, one per SM while
     // they fit, then the side CTAs, which take the side region alone (SIDE_CTAS shares per request) and land in the
@@ -599,6 +631,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     const int b = blockIdx.z;
     const int split = blockIdx.y;
 #endif
+    const int part = split * WGROUPS + wg;  // this warp's partial state
 #if FUSE
     // This split's share of the side region (splits = gridDim.y) and its first slot ids, loaded first: the
     // latency hides behind the query's loads and rotation.
@@ -608,8 +641,13 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     const int s_per = (s_total + SIDE_CTAS - 1) / SIDE_CTAS;
     const int s_lo = side_cta ? (split - nsplit) * s_per : 0, s_hi = side_cta ? min(s_lo + s_per, s_total) : 0;
 #else
-    const int s_per = (s_total + (int)gridDim.y - 1) / (int)gridDim.y;
-    const int s_lo = split * s_per, s_hi = min(s_lo + s_per, s_total);
+#if WSIDE
+    const int s_per = (s_total + (int)gridDim.y - 1) / (int)gridDim.y;  // group 1 takes the split's whole share
+    const int s_lo = wg ? split * s_per : 0, s_hi = wg ? min(s_lo + s_per, s_total) : 0;
+#else
+    const int s_per = (s_total + (int)gridDim.y * WGROUPS - 1) / ((int)gridDim.y * WGROUPS);
+    const int s_lo = part * s_per, s_hi = min(s_lo + s_per, s_total);
+#endif
 #endif
     const int* s_idx = SideIndices + s_start;
     const int s_sid0 = s_lo + (threadIdx.x & 31) < s_hi ? s_idx[s_lo + (threadIdx.x & 31)] : 0;
@@ -636,10 +674,11 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     __syncthreads();  // barriers initialised
 #pragma unroll
     for (int st = 0; st < PIPE; ++st)
-        if (lo + 32 * st < hi) produce(ring + st * STAGE_T, bars + 8 * st, lane, w_, sids[st], kc, vc, km, vm);
+        if (lo + 32 * st < hi) produce(ring + st * STAGE_T, bars + 8 * st, lane, w_, 0, sids[st], kc, vc, km, vm);
     int sid_next = lo + 32 * PIPE + lane < hi ? idx[lo + 32 * PIPE + lane] : 0;
 #endif
-    u8 (*qsm)[128] = (u8 (*)[128])(smem + QSM_OFF + w_ * WARP_SMEM);  // the query codes; later the warp's ring
+    // the query codes (one WARP_SMEM per warp of the CTA); later the ring
+    u8 (*qsm)[128] = (u8 (*)[128])(smem + QSM_OFF + (threadIdx.x >> 5) * WARP_SMEM);
     const int g = lane >> 2, t = lane & 3;
 
     // ---- query: rotate (fast Walsh-Hadamard, = x @ H of the normalised Sylvester matrix) and INT8 ----
@@ -732,7 +771,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     const int start = KvIndptr[b];
     const int len = KvIndptr[b + 1] - start;
     const int lo = split * chunk;
-    const int hi = ((ABLATE & 4) || side_cta) ? lo : min(lo + chunk, len);
+    const int hi = ((ABLATE & 4) || side_cta || (WSIDE && wg)) ? lo : min(lo + chunk, len);
     const int* idx = KvIndices + start;
 #endif
     const u8* kb = KCodes + h * 64 + 16 * t;
@@ -753,32 +792,36 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     const u32* vm = VMeta + h0;
 #pragma unroll
     for (int st = 0; st < PIPE - 1; ++st) {
-        const int p0 = lo + 32 * st;
-        if (p0 < hi) produce(ring + st * STAGE_T, bars + 8 * st, lane, w_, p0 + lane < hi ? idx[p0 + lane] : 0, kc, vc,
-                             km, vm);
+        const int p0 = lo + ROWS * st, pw = p0 + wrow + lane;
+        if (p0 < hi) produce(ring + st * STAGE_T, bars + 8 * st, lane, w_, wrow, pw < hi ? idx[pw] : 0, kc, vc, km, vm);
     }
-    int sid_next = lo + 32 * (PIPE - 1) + lane < hi ? idx[lo + 32 * (PIPE - 1) + lane] : 0;
+    const int pn = lo + ROWS * (PIPE - 1) + wrow + lane;
+    int sid_next = pn < hi ? idx[pn] : 0;
 #endif
     int stage = 0;
     u32 phase = 0;
     SIDE_SHARE();
-    for (int n0 = lo; n0 < hi; n0 += 32) {
+    for (int n0 = lo; n0 < hi; n0 += ROWS) {
 #if EARLY
         if (n0 != lo) {  // all PIPE stages were filled at the start: nothing consumed yet at the first tile
 #endif
+#if WSIDE
+        asm volatile("bar.sync 1, %0;" :: "n"(WARPS * 32) : "memory");  // the INT4 warps only (group 1: side)
+#else
         __syncthreads();  // every warp is done with the stage consumed last tile: refill it
+#endif
         {
-            const int p0 = n0 + 32 * (PIPE - 1);
+            const int p0 = n0 + ROWS * (PIPE - 1);
             const int ahead = stage == 0 ? PIPE - 1 : stage - 1;
-            if (p0 < hi) produce(ring + ahead * STAGE_T, bars + 8 * ahead, lane, w_, sid_next, kc, vc, km, vm);
-            sid_next = p0 + 32 + lane < hi ? idx[p0 + 32 + lane] : 0;
+            if (p0 < hi) produce(ring + ahead * STAGE_T, bars + 8 * ahead, lane, w_, wrow, sid_next, kc, vc, km, vm);
+            sid_next = p0 + ROWS + wrow + lane < hi ? idx[p0 + ROWS + wrow + lane] : 0;
         }
 #if EARLY
         }
 #endif
         mbar_wait(bars + 8 * stage, phase);
         Tile cur;
-        read_stage_t(cur, ring + stage * STAGE_T, w_, g, t);
+        read_stage_t(cur, ring + stage * STAGE_T, w_, g, t, wrow);
         if (++stage == PIPE) { stage = 0; phase ^= 1u; }
 #elif PIPE
     __syncwarp();  // every lane has read its query operand before the ring overwrites the query codes
@@ -839,7 +882,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
         float sc[2][2], p[2][2], vs[2], vo[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const bool valid = n0 + 16 * gt + g + 8 * r < hi;
+            const bool valid = n0 + wrow + 16 * gt + g + 8 * r < hi;
             const float ks = h2f((u16)(cur.kw[r] & 0xffff)), ko = h2f((u16)(cur.kw[r] >> 16));
             vs[r] = valid ? h2f((u16)(cur.vw[r] & 0xffff)) : 0.f;
             vo[r] = valid ? h2f((u16)(cur.vw[r] >> 16)) : 0.f;
@@ -922,14 +965,14 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
             const size_t row = (size_t)b * (HKV * 4) + h * 4 + j;
             const bool any = L[c] > 0.f;
             const float inv = any ? 1.f / L[c] : 0.f;
-            float* dst = PartOut + (row * parts_ + split) * 128;
+            float* dst = PartOut + (row * parts_ + part) * 128;
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const int d0 = i < 4 ? 8 * g + 2 * i : 64 + 8 * g + 2 * (i - 4);
                 dst[d0] = (o[i][c] + OFF[c]) * inv;
                 dst[d0 + 1] = (o[i][2 + c] + OFF[c]) * inv;
             }
-            if (g == 0) PartLse[row * parts_ + split] = any ? M[c] + lg2(L[c]) : NEG_INF;
+            if (g == 0) PartLse[row * parts_ + part] = any ? M[c] + lg2(L[c]) : NEG_INF;
         }
     }
 #if FUSE && !(ABLATE & 2)

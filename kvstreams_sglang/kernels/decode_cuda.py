@@ -26,45 +26,66 @@ STAGE_BYTES = 4608  # decode_cuda.cu: one warp's tile in the cp.async ring
 QTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def _compile(hkv: int, qtype: int, device: torch.device, min_blocks: int, warps: int, pipe: int, tma: int,
-             fuse: int = 0, issue: int = 0, early: int = 0, merge: int = 0, side: int = 0, ablate: int = 0):
-    """cubin for ``device``'s architecture -> loaded CUfunction (per device, HKV, query dtype, occupancy)."""
-    defines = dict(HKV=hkv, QTYPE=qtype, MIN_BLOCKS=min_blocks, WARPS=warps, PIPE=pipe, TMA=tma, FUSE=fuse,
-                   ISSUE=issue, EARLY=early, MERGE=merge, SIDE_CTAS=side,
-                   ABLATE=ablate)
-    cubin = cuda_rtc.compile_cubin(_SRC, device, defines)
-    if tma:  # decode_cuda.cu: PIPE stages of STAGE_T bytes, then one 8-byte mbarrier per stage
-        smem = pipe * (2 * 32 * (warps * 64 + 16) + 2 * 32 * warps * 4) + 8 * pipe
-        if early:  # QSM_OFF: the query codes (WARP_SMEM per warp) after the ring, 16-byte aligned
-            smem = (smem + 15) // 16 * 16 + warps * 512
-    else:
-        smem = warps * (pipe * STAGE_BYTES if pipe else 512)
-    fn, mod = cuda_rtc.load_function(cubin, b"kv4_int4_splits", device, smem)
-    return fn, mod, smem
-
-
-def kernel(hkv: int, q_dtype: torch.dtype, device: torch.device, min_blocks: int = 2, warps: int = 0, pipe: int = 0,
-           tma: int = 0, fuse: int = 0, issue: int = 0, early: int = 0, merge: int = 0, side: int = 0,
-           ablate: int = 0):
-    """The loaded kernel (CTAs of ``warps`` KV heads, all by default), or None where NVRTC/libcuda are missing or
-    compilation failed (then never retried). ``fuse``: side region and merge in the same launch; ``issue``: the
-    bulk-copy producers' variant (decode_cuda.cu ISSUE); ``early``: the ring filled at kernel start (EARLY, v7);
-    ``merge``: the one-pass merge (MERGE, v7); ``side``: CTAs per request for the side region alone (SIDE_CTAS, v7;
-    fused only; 0: a share per split CTA);
-    ``ablate``: bench attribution only, parts of the work left out (ABLATE: wrong results).
-    Returns (function, module, shared bytes, warps, fuse, side CTAs per request)."""
+def variant(hkv: int, arch: tuple[int, int], min_blocks: int = 2, warps: int = 0, pipe: int = 0, tma: int = 0,
+            fuse: int = 0, issue: int = 0, early: int = 0, merge: int = 0, side: int = 0, ablate: int = 0,
+            wgroups: int = 1, wside: int = 0) -> dict:
+    """The kernel's compile-time options as it will build them for compute capability ``arch``: options the
+    variant cannot take are switched off (``kernel`` documents them)."""
     warps = warps if warps and hkv % warps == 0 else hkv
-    if tma and (pipe < 2 or warps < 4 or torch.cuda.get_device_capability(device) < (9, 0)):
+    if tma and (pipe < 2 or warps < 4 or tuple(arch) < (9, 0)):
         tma, pipe = 0, 0  # bulk copies need sm_90, 16-byte meta rows (4 heads) and 2+ stages: register prefetch
     issue = issue if tma else 0
     early = early if tma else 0
     merge = merge if fuse else 0
     side = side if fuse else 0
-    key = (str(device), hkv, q_dtype, min_blocks, warps, pipe, tma, fuse, issue, early, merge, side, ablate)
+    if wgroups > 1 and not (tma and fuse and issue and not early and not side and 32 % warps == 0):
+        wgroups = 1
+    wside = wside if wgroups == 2 else 0
+    if wgroups > 1:
+        min_blocks = 1  # 2 x 8 warps x 128 registers fill the SM's register file
+    return dict(MIN_BLOCKS=min_blocks, WARPS=warps, PIPE=pipe, TMA=tma, FUSE=fuse, ISSUE=issue, EARLY=early,
+                MERGE=merge, SIDE_CTAS=side, ABLATE=ablate, WGROUPS=wgroups, WSIDE=wside)
+
+
+def shared_bytes(v: dict) -> int:
+    """Dynamic shared memory of a ``variant``."""
+    warps, pipe = v["WARPS"], v["PIPE"]
+    if v["TMA"]:  # decode_cuda.cu: PIPE stages of STAGE_T bytes, then one 8-byte mbarrier per stage
+        rows = 32 if v["WSIDE"] else 32 * v["WGROUPS"]  # slots per stage (WSIDE: warp group 0's alone)
+        smem = pipe * (2 * rows * (warps * 64 + 16) + 2 * rows * warps * 4) + 8 * pipe
+        if v["EARLY"]:  # QSM_OFF: the query codes (WARP_SMEM per warp) after the ring, 16-byte aligned
+            smem = (smem + 15) // 16 * 16 + warps * 512
+        return smem
+    return warps * (pipe * STAGE_BYTES if pipe else 512)
+
+
+def build(hkv: int, q_dtype: torch.dtype, arch: tuple[int, int], v: dict, *, with_log: bool = False):
+    """NVRTC: the cubin of ``variant`` ``v`` for ``arch`` (no GPU needed; with ``with_log`` also ptxas's report)."""
+    return cuda_rtc.compile_cubin(_SRC, arch, dict(HKV=hkv, QTYPE=QTYPES[q_dtype]) | v, with_log=with_log)
+
+
+def kernel(hkv: int, q_dtype: torch.dtype, device: torch.device, min_blocks: int = 2, warps: int = 0, pipe: int = 0,
+           tma: int = 0, fuse: int = 0, issue: int = 0, early: int = 0, merge: int = 0, side: int = 0,
+           ablate: int = 0, wgroups: int = 1, wside: int = 0):
+    """The loaded kernel (CTAs of ``warps`` KV heads, all by default), or None where NVRTC/libcuda are missing or
+    compilation failed (then never retried). ``fuse``: side region and merge in the same launch; ``issue``: the
+    bulk-copy producers' variant (decode_cuda.cu ISSUE); ``early``: the ring filled at kernel start (EARLY, v7);
+    ``merge``: the one-pass merge (MERGE, v7); ``side``: CTAs per request for the side region alone (SIDE_CTAS, v7;
+    fused only; 0: a share per split CTA); ``wgroups``: warps per KV head (WGROUPS, v8: 2 makes CTAs of 2 x warps
+    warps, one per SM, each warp group with its own tiles, side share and part; fused bulk-copy ring with the v6
+    producers only, else 1); ``wside``: with 2 warp groups, group 0 streams the INT4 region alone and group 1 takes
+    the split's side share beside it (WSIDE, v8: warp specialisation); ``ablate``: bench attribution only, parts of
+    the work left out (ABLATE: wrong results).
+    Returns (function, module, shared bytes, warps, fuse, side CTAs per request, warp groups)."""
+    v = variant(hkv, torch.cuda.get_device_capability(device), min_blocks, warps, pipe, tma, fuse, issue, early,
+                merge, side, ablate, wgroups, wside)
+    key = (str(device), hkv, q_dtype, *v.values())
     if key not in _STATE:
         try:
-            _STATE[key] = (*_compile(hkv, QTYPES[q_dtype], device, min_blocks, warps, pipe, tma, fuse, issue, early,
-                                     merge, side, ablate), warps, fuse, side)
+            smem = shared_bytes(v)
+            fn, mod = cuda_rtc.load_function(build(hkv, q_dtype, torch.cuda.get_device_capability(device), v),
+                                             b"kv4_int4_splits", device, smem)
+            _STATE[key] = (fn, mod, smem, v["WARPS"], v["FUSE"], v["SIDE_CTAS"], v["WGROUPS"])
         except Exception as e:  # fall back to the Triton kernel
             _STATE[key] = None
             _STATE.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
@@ -87,10 +108,10 @@ class Launcher:
         """``ptrs``: Q, KvIndptr, KvIndices, KCodes, KMeta32, VCodes, VMeta32, PartOut, PartLse, SideIndptr,
         SideIndices, KSide, KSideScale, VSide, VSideScale, Counter, Out, LseOut (device addresses; the side and
         merge ones are read by the fused kernel only). ``grid``: (splits + side CTAs, requests). ``parts``: the
-        partial states per query row (the fused kernel: the splits + side CTAs; unfused: the splits + the Triton
-        side region's)."""
+        partial states per query row (the fused kernel: the splits x warp groups + side CTAs; unfused: the splits +
+        the Triton side region's)."""
         self.fn, warps, self.smem = fn[0], fn[3], fn[2]
-        self.dims = (hkv // warps, grid[0], grid[1], 32 * warps, 1, 1)
+        self.dims = (hkv // warps, grid[0], grid[1], 32 * warps * fn[6], 1, 1)
         self.vals = [ctypes.c_uint64(p) for p in ptrs] + [ctypes.c_int(chunk), ctypes.c_int(parts),
                                                           ctypes.c_float(sm_scale_log2), ctypes.c_uint(magic),
                                                           ctypes.c_int(int(rotate))]

@@ -22,6 +22,11 @@ QTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 WARPS = 1  # store_cuda.cu: warps per CTA (default), 16 token-head vectors per warp
 
 
+def build(arch: tuple[int, int], defines: dict, *, with_log: bool = False):
+    """NVRTC: the cubin for compute capability ``arch`` (no GPU needed; ``with_log``: also ptxas's report)."""
+    return cuda_rtc.compile_cubin(_SRC, arch, defines, with_log=with_log)
+
+
 def kernel(hkv: int, dtype: torch.dtype, device: torch.device, opts: dict | None = None):
     """The loaded kernel for ``hkv`` KV heads and input ``dtype`` as ``(function, warps per CTA)``, or None where
     NVRTC/libcuda are missing or the compilation failed (then never retried; the error is kept in
@@ -31,7 +36,8 @@ def kernel(hkv: int, dtype: torch.dtype, device: torch.device, opts: dict | None
     if key not in _STATE:
         try:
             defines = dict(HKV=hkv, QTYPE=QTYPES[dtype], WARPS=WARPS) | opts
-            fn = cuda_rtc.load_function(cuda_rtc.compile_cubin(_SRC, device, defines), b"kv4_store", device)[0]
+            fn = cuda_rtc.load_function(build(torch.cuda.get_device_capability(device), defines), b"kv4_store",
+                                        device)[0]
             _STATE[key] = (fn, defines["WARPS"])
         except Exception as e:  # fall back to the Triton kernel
             _STATE[key] = None

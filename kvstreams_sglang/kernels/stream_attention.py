@@ -8,8 +8,9 @@ it sees: keys are walked in blocks of ``BLOCK_N`` *positions* (block ``b`` holds
 ``[b*BLOCK_N, (b+1)*BLOCK_N)``, wherever the key is stored), every query row keeps its own
 online-softmax state, and a key a row cannot see (evicted, in the future, another record, never
 stored) enters as ``p = 0`` exactly. A block with nothing visible then leaves the state bit for
-bit unchanged, so the sampler (which holds only the kept keys) and the trainer (which holds every
-key and masks) reach the same bits. With the matmuls invariant too, the trainer's bf16 logprobs
+bit unchanged (so a block no row of the tile sees is skipped: the cost follows the live keys), and
+the sampler (which holds only the kept keys) and the trainer (which holds every key and masks)
+reach the same bits. With the matmuls invariant too, the trainer's bf16 logprobs
 equal the sampler's (``bench/trainer_parity.py --batch-invariant``).
 
 Queries are tiled as ``BLOCK_Q`` consecutive tokens of one sequence x the ``GROUP`` query heads
@@ -67,17 +68,20 @@ def _stream_attention_kernel(
         if HAS_DEATH:
             death = tl.load(Death + krow, mask=kmask, other=0)
             vis = vis & (qrow[:, None] < death[None, :])
-        k = tl.load(K + krow[:, None] * stride_kr + hk * stride_kh + d[None, :], mask=kmask[:, None], other=0.0)
-        v = tl.load(V + krow[:, None] * stride_vr + hk * stride_vh + d[None, :], mask=kmask[:, None], other=0.0)
-        s = invariant_dot(q, tl.trans(k), EMULATE) * sm_scale_log2
-        s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: p = 0, state stays 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + invariant_dot(p.to(v.dtype), v, EMULATE)
-        m_i = m_new
+        # A block no row of the tile sees would leave every row's state bit for bit unchanged: skip its K/V.
+        if tl.max(tl.max(vis.to(tl.int32), 1), 0) > 0:
+            kv = kmask[:, None]
+            k = tl.load(K + krow[:, None] * stride_kr + hk * stride_kh + d[None, :], mask=kv, other=0.0)
+            v = tl.load(V + krow[:, None] * stride_vr + hk * stride_vh + d[None, :], mask=kv, other=0.0)
+            s = invariant_dot(q, tl.trans(k), EMULATE) * sm_scale_log2
+            s = tl.where(vis, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: p = 0, state stays 0
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + invariant_dot(p.to(v.dtype), v, EMULATE)
+            m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(Out + tok[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :], out.to(Out.dtype.element_ty),
              mask=rvalid[:, None])
