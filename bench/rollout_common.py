@@ -61,7 +61,7 @@ class EpisodeSpec:
     def peak_live(self, strategy: Strategy, window: int) -> int:
         """Most tokens the stream holds at once (pending ones included: an upper bound on its
         KV slots) under ``strategy``; Sliding Window evicts the oldest completed turn whenever
-        ``window`` completed turns are live (``envs.compaction.SlidingWindow``, stride 1)."""
+        ``window`` completed turns are live (``envs.rollout.compaction.SlidingWindow``, stride 1)."""
         live, peak, turns = self.first, self.first, []
         for a, o in self.turns:
             live += a + o
@@ -302,9 +302,9 @@ class StepRecorder:
         if not reqs:
             return self._step()
         streams = [eng.table.get(r.sid) for r in reqs]
-        before = [st.num_computed for st in streams]
-        mode = "extend" if any(len(st.pending) > 1 or r.params is None for st, r in zip(streams, reqs, strict=True)) \
-            else "decode"
+        before = [st.ledger.num_computed for st in streams]
+        extend = any(st.ledger.num_pending > 1 or r.params is None for st, r in zip(streams, reqs, strict=True))
+        mode = "extend" if extend else "decode"
         n0 = eng.stats.tokens_prefilled + eng.stats.tokens_decoded
         t0 = time.perf_counter()
         self._step()
@@ -312,7 +312,7 @@ class StepRecorder:
         log = self.log
         log.mode.append(mode)
         log.seconds.append(dt)
-        log.batch.append(sum(st.num_computed != b for st, b in zip(streams, before, strict=True)))
+        log.batch.append(sum(st.ledger.num_computed != b for st, b in zip(streams, before, strict=True)))
         log.tokens.append(eng.stats.tokens_prefilled + eng.stats.tokens_decoded - n0)
         log.live.append(eng.stats.live_slots)
         log.active.append(self.gate.active if self.gate is not None else len(reqs))
@@ -351,7 +351,7 @@ async def replay(eng, episodes: list[EpisodeSpec], cfg: ReplayConfig, capacity: 
     KV tokens. Action lengths are forced (``max_new_tokens``, no stop token); token ids are
     random (seeded per episode). Re-prefill execution closes the stream at each compaction and
     re-opens it on the kept tokens; every kept token that had been computed is counted as
-    re-prefilled (``envs.agent_loop.StreamConversation.evict``)."""
+    re-prefilled (``envs.rollout.agent_loop.StreamConversation.evict``)."""
     from kvstreams_sglang.engine import SamplingParams
 
     gate = Gate(capacity, cfg.max_batch, waves=cfg.waves)

@@ -246,7 +246,7 @@ def main(argv=None) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvstreams_sglang.testing import build_tiny_model
+    from kvstreams_sglang.checkpoints import build_tiny_model
 
     from . import kv_concentration, rollout_throughput, sampler_fidelity
     from .rollout_common import QWEN3_4B, build_random_model, device_name, load_engine_model

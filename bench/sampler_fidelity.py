@@ -183,7 +183,7 @@ def sampled_positions(stream: SampledStream) -> list[int]:
 @torch.inference_mode()
 def teacher_forced_logprobs(model, stream: SampledStream, mode: str, sink: int = 0, recent: int = 0) -> torch.Tensor:
     """Log-softmax ``[Q, V]`` (float32) at the query positions of the sampled tokens."""
-    from trainer_masks.lm_head import decoder, fp32_logits
+    from trainer_masks.scoring.lm_head import decoder, fp32_logits
 
     dev = next(model.parameters()).device
     start, dec, queries = stream.schedule()
@@ -271,7 +271,7 @@ def run(model_path: str, device, *, episodes: int = 24, max_new_tokens: int = 24
         checkpoint: str | None = None, check_episodes: int = 2, progress=None, log=print) -> dict:
     from transformers import AutoTokenizer
 
-    from envs.chat import ChatRenderer
+    from envs.rollout.chat import ChatRenderer
     from envs.textworld.env import SYSTEM_PROMPT
     from kvstreams_sglang.engine import Engine
 

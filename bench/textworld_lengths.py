@@ -2,8 +2,8 @@
 
 Plays real games (``envs.textworld``, generated offline by ``envs.textworld.generate``) with three
 policies and records, per episode, the token counts the agent loop would put into an engine stream
-(``envs.agent_loop.run_episode`` with the byte tokenizer of ``kvstreams_sglang.testing`` and Qwen's
-chat template, rendered by ``envs.chat.ChatRenderer``):
+(``envs.rollout.agent_loop.run_episode`` with the byte tokenizer of ``kvstreams_sglang.checkpoints`` and Qwen's
+chat template, rendered by ``envs.rollout.chat.ChatRenderer``):
 
 - ``first``: the first message (system prompt + first observation) and the first assistant header;
 - per turn ``[action, obs]``: the assistant message (command + end-of-turn token; what the model
@@ -101,10 +101,10 @@ def summarize(episodes: list[dict]) -> dict:
 
 def collect(presets: list[str], games: int, max_steps: int, seed: int = 0, cache_dir: Path | None = None,
             progress: bool = True, text_presets: tuple[str, ...] = (), text_games: int = 0) -> list[dict]:
-    from envs.chat import ChatRenderer
+    from envs.rollout.chat import ChatRenderer
     from envs.textworld.env import SYSTEM_PROMPT
     from envs.textworld.tasks import TextWorldConfig, TextWorldTasks
-    from kvstreams_sglang.testing import build_byte_tokenizer
+    from kvstreams_sglang.checkpoints import build_byte_tokenizer
 
     renderer = ChatRenderer(build_byte_tokenizer(), SYSTEM_PROMPT)
     tasks = []
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
            f"--max-steps {a.max_steps} --seed {a.seed} --text-presets {' '.join(a.text_presets)} "
            f"--text-games {a.text_games}")
     by_policy = {pol: summarize([e for e in episodes if e["policy"] == pol]) for pol in POLICIES}
-    data = dict(command=cmd, tokenizer="byte-level (kvstreams_sglang.testing), Qwen chat template",
+    data = dict(command=cmd, tokenizer="byte-level (kvstreams_sglang.checkpoints), Qwen chat template",
                 units="tokens; turns are [action (sampled, incl. end-of-turn), obs (appended after it, incl. the "
                       "next assistant header; 0 on the last turn)]; first = first message + assistant header",
                 summary=dict(all=summarize(episodes), **by_policy), episodes=episodes)

@@ -68,12 +68,12 @@ def timed(fn, reps=3):
 def main():
     import argparse
 
+    from kvstreams_sglang.checkpoints.episodes import EVICTION_PATTERNS, scripted_episode
     from transformers import AutoModelForCausalLM
 
+    from kvstreams_sglang.checkpoints import build_tiny_model
     from kvstreams_sglang.engine import Engine
-    from kvstreams_sglang.testing import build_tiny_model
-    from kvstreams_sglang.testing.episodes import EVICTION_PATTERNS, scripted_episode
-    from trainer_masks import stream_logprobs
+    from trainer_masks.scoring import stream_logprobs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=None, help="a local checkpoint (default: a random 0.6B-shaped model)")
@@ -130,9 +130,10 @@ def main():
 def invariant_parity(path, trainer, result):
     """Engine(batch_invariant=True) + stream_logprobs(impl="invariant") on each eviction pattern; the
     default engine + flex on the same patterns beside it; then what the mode costs."""
+    from kvstreams_sglang.checkpoints.episodes import EVICTION_PATTERNS, scripted_episode
+
     from kvstreams_sglang.engine import Engine
-    from kvstreams_sglang.testing.episodes import EVICTION_PATTERNS, scripted_episode
-    from trainer_masks import stream_logprobs
+    from trainer_masks.scoring import stream_logprobs
 
     result["command"] += " --batch-invariant"
     for inv in (True, False):

@@ -1,1 +1,2 @@
-"""Multi-turn text environments (TextWorld, ALFWorld, SWE-style tasks) that the agent loop plays."""
+"""Environments (TextWorld, ALFWorld, SWE-style tasks, a toy corridor) and the rollout layer they
+share (``envs.rollout``: agent loop, engine client, chat rendering, compaction)."""

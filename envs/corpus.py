@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .protocol import TaskSet
+from .rollout.protocol import TaskSet
 
 
 def episode_texts(taskset: TaskSet, split: str, *, max_steps: int = 50) -> Iterator[str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .protocol import TaskSet
+from .rollout.protocol import TaskSet
 
 
 def make_taskset(name: str, options: dict[str, Any] | None = None) -> TaskSet:

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from envs.compaction import CompactionConfig
+from envs.rollout.compaction import CompactionConfig
 
 
 class Section(BaseModel):

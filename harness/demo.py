@@ -95,7 +95,7 @@ async def run_demo(cfg: DemoConfig) -> dict:
     from rich.progress import Progress
     from transformers import AutoTokenizer
 
-    from envs.chat import ChatRenderer
+    from envs.rollout.chat import ChatRenderer
 
     console = Console()
     timings: dict[str, float] = {}

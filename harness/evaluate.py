@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from envs.agent_loop import Episode, EpisodeConfig, run_episodes
-from envs.chat import ChatRenderer
-from envs.client import BuiltinClient
-from envs.protocol import Task, TaskSet
+from envs.rollout.agent_loop import Episode, EpisodeConfig, run_episodes
+from envs.rollout.chat import ChatRenderer
+from envs.rollout.client import BuiltinClient
+from envs.rollout.protocol import Task, TaskSet
 from kvstreams_sglang.engine import Engine
 from trainer_masks import StreamRecord
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from envs.client import BuiltinClient
+from envs.rollout.client import BuiltinClient
 
 from .config import InferenceConfig
 

@@ -16,11 +16,11 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from envs.agent_loop import EpisodeConfig, run_episode
-from envs.chat import ChatRenderer
-from envs.client import EngineClient
-from envs.compaction import CompactionConfig
-from envs.protocol import Task, TaskSet
+from envs.rollout.agent_loop import EpisodeConfig, run_episode
+from envs.rollout.chat import ChatRenderer
+from envs.rollout.client import EngineClient
+from envs.rollout.compaction import CompactionConfig
+from envs.rollout.protocol import Task, TaskSet
 from trainer_masks import StreamRecord
 
 from .config import OrchestratorConfig

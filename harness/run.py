@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from envs.chat import ChatRenderer
 from envs.registry import make_taskset
+from envs.rollout.chat import ChatRenderer
 
 from . import checkpoint
 from .config import Config, ConfigError, load_config
@@ -49,7 +49,7 @@ def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
         return cfg.model.path
     path = out / "model"
     if build and not (path / "config.json").exists():
-        from kvstreams_sglang.testing import build_tiny_model
+        from kvstreams_sglang.checkpoints import build_tiny_model
 
         t = cfg.model.tiny
         corpus = None

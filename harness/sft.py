@@ -1,12 +1,12 @@
 """SFT warm-start: the environment's expert played through the real agent loop, then
 cross-entropy on its commands, scored exactly as the RL trainer scores rollouts.
 
-The expert's episodes go through ``envs.agent_loop.run_episode`` with the run's
+The expert's episodes go through ``envs.rollout.agent_loop.run_episode`` with the run's
 compaction strategy, so their records are the ``StreamRecord``s the sampler would have
 produced had the model written the expert's commands: same chat rendering, same
 positions, same eviction events. The model therefore learns to act from a *compacted*
-context. ``ExpertClient`` stands in for the engine: it keeps the streams' bookkeeping
-(``KVStream``: computed/pending tokens, slots, evictions) and runs no model.
+context. ``ExpertClient`` stands in for the engine: it keeps each stream's ``StreamLedger``
+(computed/pending tokens, evictions) and runs no model.
 
 Detours (``SFTConfig.detour``): with that probability a turn plays a harmless command
 (``look``, ``inventory``) instead of the expert's; its tokens are kept out of the loss.
@@ -20,6 +20,7 @@ The loss: ``-sum(logprob of loss tokens) / loss tokens`` per step, from
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -27,13 +28,13 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from envs.agent_loop import EpisodeConfig, run_episode
-from envs.chat import ChatRenderer
-from envs.compaction import CompactionConfig
-from envs.protocol import Environment, TaskSet
+from envs.rollout.agent_loop import EpisodeConfig, run_episode
+from envs.rollout.chat import ChatRenderer
+from envs.rollout.compaction import CompactionConfig
+from envs.rollout.protocol import Environment, TaskSet
 from kvstreams_sglang.engine import Generation, SamplingParams
-from kvstreams_sglang.streams import KVStream, StreamTable
-from trainer_masks import StreamRecord, score_streams
+from trainer_masks import StreamLedger, StreamRecord
+from trainer_masks.scoring import score_streams
 
 from .trainer import Trainer
 
@@ -64,10 +65,10 @@ class SFTConfig(BaseModel):
 class ExpertClient:
     """An ``EngineClient`` that writes ``env``'s expert commands instead of sampling a model.
 
-    Mirrors the engine's stream semantics without running it: a generation first computes
-    every pending token, each "sampled" token is pending until the next one is produced,
-    and the last one stays pending; evictions are recorded at the computed boundary. One
-    client per episode (it reads its environment's expert)."""
+    Mirrors the engine's stream semantics on a bare ``StreamLedger`` without running a model: a
+    generation first computes every pending token, each "sampled" token is pending until the
+    next one is produced, and the last one stays pending; evictions are recorded at the computed
+    boundary. One client per episode (it reads its environment's expert)."""
 
     policy_version = 0
 
@@ -76,22 +77,23 @@ class ExpertClient:
         self.env, self.renderer = env, renderer
         self.detour, self.detours = detour, list(detours)
         self.rng = random.Random(seed)
-        self.table = StreamTable(num_slots=1 << 20, max_streams=4)
+        self.streams: dict[int, StreamLedger] = {}
+        self._sids = itertools.count()
         self.unscored: dict[int, set[int]] = {}  # stream -> positions of detour tokens (no loss)
 
-    def _compute(self, stream: KVStream) -> None:
-        n = len(stream.pending)
-        if n:
-            stream.commit(self.table.allocator.alloc(n))
+    async def open(self, stream):
+        sid = next(self._sids)
+        self.streams[sid] = stream if isinstance(stream, StreamLedger) else StreamLedger(stream)
+        return sid
 
-    async def open(self, token_ids):
-        return self.table.open(token_ids).sid
+    def ledger(self, sid):
+        return self.streams[sid]
 
     async def append(self, sid, token_ids, source="env"):
-        self.table.get(sid).add(list(token_ids), source)
+        self.streams[sid].append(token_ids, source)
 
     async def generate(self, sid, params: SamplingParams) -> Generation:
-        stream = self.table.get(sid)
+        ledger = self.streams[sid]
         action = self.env.expert_action()
         detour = action is None or self.rng.random() < self.detour
         if detour:
@@ -100,26 +102,23 @@ class ExpertClient:
         finish = "stop" if len(tokens) <= params.max_new_tokens else "length"
         tokens = tokens[:params.max_new_tokens]
         for token in tokens:
-            self._compute(stream)
-            stream.add_sampled(token, 0.0, self.policy_version)  # the expert's choice has probability 1
+            ledger.commit(ledger.num_pending)
+            ledger.add_sampled(token, 0.0, self.policy_version)  # the expert's choice has probability 1
             if detour:
-                self.unscored.setdefault(sid, set()).add(stream.end - 1)
+                self.unscored.setdefault(sid, set()).add(ledger.end - 1)
         return Generation(tokens, [0.0] * len(tokens), finish)
 
     async def evict(self, sid, spans):
-        return self.table.evict(sid, spans)
+        return len(self.streams[sid].evict(spans).dropped)
 
     async def prefill(self, sid):
-        self._compute(self.table.get(sid))
-
-    async def live_tokens(self, sid):
-        return self.table.get(sid).num_live
+        ledger = self.streams[sid]
+        ledger.commit(ledger.num_pending)
 
     async def close(self, sid, **meta) -> StreamRecord:
-        record = self.table.get(sid).to_record(**meta)
+        record = self.streams.pop(sid).to_record(**meta)
         unscored = self.unscored.pop(sid, set())
         record.loss_mask = [m and i not in unscored for i, m in enumerate(record.loss_mask)]
-        self.table.close(sid)
         return record
 
 

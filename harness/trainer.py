@@ -25,8 +25,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer_masks import StreamRecord, score_streams
-from trainer_masks.lm_head import decoder
+from trainer_masks import StreamRecord
+from trainer_masks.scoring import score_streams
+from trainer_masks.scoring.lm_head import decoder
 
 from .config import TrainerConfig
 from .loss import policy_loss, token_weights

@@ -35,8 +35,9 @@ def run(model_path: str | None, num_tokens: int, seed: int) -> list[dict]:
     from rich.table import Table
     from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
-    from .kv4 import int4_bytes_per_vector, quantize_int4, single_decode
-    from .testing import build_tiny_model
+    from .checkpoints import build_tiny_model
+    from .kernels import single_decode
+    from .kv4 import int4_bytes_per_vector, quantize_int4
 
     if model_path is None:
         model_path = build_tiny_model(tempfile.mkdtemp(prefix="kvstreams-kv4-report-"), num_layers=4, seed=seed)

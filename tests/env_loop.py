@@ -7,11 +7,11 @@ import asyncio
 
 from transformers import AutoTokenizer
 
-from envs.agent_loop import Episode, EpisodeConfig, run_episodes
-from envs.chat import ChatRenderer
-from envs.client import BuiltinClient
-from envs.compaction import CompactionConfig
-from envs.protocol import Task
+from envs.rollout.agent_loop import Episode, EpisodeConfig, run_episodes
+from envs.rollout.chat import ChatRenderer
+from envs.rollout.client import BuiltinClient
+from envs.rollout.compaction import CompactionConfig
+from envs.rollout.protocol import Task
 from kvstreams_sglang.engine import Engine
 
 

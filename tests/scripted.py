@@ -1,13 +1,13 @@
 """A scripted engine client and environment for compaction and agent-loop tests.
 
 The client has no model: generations come from a script, but the streams, slots and
-evictions are the real ``StreamTable`` ones, so live-KV accounting is what the engine's
+evictions are the real ``StreamTable`` / ``StreamLedger`` ones, so live-KV accounting is what the engine's
 would be. The environment answers every action with an observation of fixed length.
 """
 
 from __future__ import annotations
 
-from envs.protocol import StepResult, Task
+from envs.rollout.protocol import StepResult, Task
 from kvstreams_sglang.engine import Generation
 from kvstreams_sglang.streams import StreamTable
 
@@ -21,37 +21,37 @@ class ScriptedClient:
         self.calls: dict[int, int] = {}
         self.evictions: list[tuple[int, list]] = []  # (sid, spans) in call order
 
-    async def open(self, token_ids):
-        return self.table.open(token_ids).sid
+    async def open(self, stream):
+        return self.table.open(stream).sid
+
+    def ledger(self, sid):
+        return self.table.get(sid).ledger
 
     async def append(self, sid, token_ids, source="env"):
-        self.table.get(sid).add(list(token_ids), source)
+        self.table.get(sid).ledger.append(token_ids, source)
 
     async def generate(self, sid, params):
         st = self.table.get(sid)
-        st.commit(self.table.allocator.alloc(len(st.pending)))
+        st.commit(self.table.allocator.alloc(st.ledger.num_pending))
         n = self.calls.get(sid, 0)
         self.calls[sid] = n + 1
         out = list(self.script(sid, n, params.max_new_tokens))[: params.max_new_tokens]
         for i, tok in enumerate(out):
-            st.add_sampled(tok, -1.0, 0)
+            st.ledger.add_sampled(tok, -1.0, 0)
             if i < len(out) - 1:
                 st.commit(self.table.allocator.alloc(1))
         return Generation(out, [-1.0] * len(out), "stop" if out[-1] in params.stop_token_ids else "length")
 
     async def prefill(self, sid):
         st = self.table.get(sid)
-        st.commit(self.table.allocator.alloc(len(st.pending)))
+        st.commit(self.table.allocator.alloc(st.ledger.num_pending))
 
     async def evict(self, sid, spans):
         self.evictions.append((sid, sorted(spans)))
         return self.table.evict(sid, spans)
 
-    async def live_tokens(self, sid):
-        return self.table.get(sid).num_live
-
     async def close(self, sid, **meta):
-        record = self.table.get(sid).to_record(**meta)
+        record = self.table.get(sid).ledger.to_record(**meta)
         self.table.close(sid)
         return record
 

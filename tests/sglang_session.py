@@ -53,7 +53,7 @@ def main(model: str, out: str, kv4rl: bool) -> None:
     before = eng.session_info(session)
     res["pool_before_evict"] = eng.pool_info()
     res["evict"] = eng.evict(session, EVICT)
-    streams._get(sid).stream.evict(EVICT)  # the client's mirror (EngineStreams.evict does both; split to time it)
+    streams.ledger(sid).evict(EVICT)  # the client's mirror (EngineStreams.evict does both; split to time it)
     res["before_evict"] = before
     res["pool_after_evict"] = eng.pool_info()
     res["invalid"] = {}

@@ -8,13 +8,13 @@ import torch
 from scripted import FixedEnv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from envs.agent_loop import EpisodeConfig, run_episodes
-from envs.chat import ChatRenderer
-from envs.client import BuiltinClient
-from envs.compaction import CompactionConfig
-from envs.protocol import Task
+from envs.rollout.agent_loop import EpisodeConfig, run_episodes
+from envs.rollout.chat import ChatRenderer
+from envs.rollout.client import BuiltinClient
+from envs.rollout.compaction import CompactionConfig
+from envs.rollout.protocol import Task
 from kvstreams_sglang.engine import Engine
-from trainer_masks import stream_logprobs
+from trainer_masks.scoring import stream_logprobs
 
 
 @pytest.fixture(scope="module")

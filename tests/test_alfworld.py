@@ -17,7 +17,7 @@ from env_loop import env_text, play_tiny
 from envs.alfworld.data import RELEASE, GameFiles, GameLogic, source_root
 from envs.alfworld.env import AlfWorldEnv
 from envs.alfworld.tasks import AlfWorldConfig, AlfWorldTasks
-from envs.compaction import STRATEGIES
+from envs.rollout.compaction import STRATEGIES
 
 
 @pytest.fixture(scope="session")

@@ -120,7 +120,7 @@ def _episode_with_reprefill(eng):
     g = torch.Generator().manual_seed(0)
     sid = eng.open_stream(torch.randint(0, 256, (20,), generator=g).tolist())
     eng.generate(sid, max_new_tokens=8, seed=1)
-    start = eng.table.get(sid).end
+    start = eng.ledger(sid).end
     eng.append(sid, torch.randint(0, 256, (12,), generator=g).tolist())
     eng.generate(sid, max_new_tokens=8, seed=2)
     eng.evict(sid, [(start, start + 11)])
@@ -134,7 +134,7 @@ def test_invariant_engine_and_trainer_logprobs_are_bit_equal_in_bf16(tiny_bf16):
     from transformers import AutoModelForCausalLM
 
     from kvstreams_sglang.engine import Engine
-    from trainer_masks import stream_logprobs
+    from trainer_masks.scoring import stream_logprobs
 
     trainer = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.bfloat16).eval()
     gaps = {}
@@ -157,7 +157,8 @@ def test_invariant_scoring_gradients_match_the_masked_kernel(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from kvstreams_sglang.testing import build_tiny_model
-    from trainer_masks import StreamRecord, stream_logprobs
+    from trainer_masks import StreamRecord
+    from trainer_masks.scoring import stream_logprobs
 
     path = build_tiny_model(tmp_path / "m", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2,
                             intermediate_size=128)

@@ -7,12 +7,12 @@ import pytest
 from scripted import FixedEnv, ScriptedClient
 from transformers import AutoTokenizer
 
-from envs.agent_loop import EpisodeConfig, run_episode
-from envs.chat import ChatRenderer
-from envs.compaction import CompactionConfig, parse_pick
-from envs.compaction.markovian_pick import pick_instruction
-from envs.compaction.summary import INSTRUCTION
-from envs.protocol import Task
+from envs.rollout.agent_loop import EpisodeConfig, run_episode
+from envs.rollout.chat import ChatRenderer
+from envs.rollout.compaction import CompactionConfig, parse_pick
+from envs.rollout.compaction.markovian_pick import pick_instruction
+from envs.rollout.compaction.summary import INSTRUCTION
+from envs.rollout.protocol import Task
 
 ACTION, SUMMARY, PICK_ANSWER = 8, 12, "[2]"
 STRATEGIES = ["summary", "markovian_thinker", "markovian_pick", "sliding_window"]

@@ -85,7 +85,7 @@ def test_random_appends_and_evictions_never_reprefill(tiny_model_path, hf_model)
     eng.generate(sid, max_new_tokens=3, seed=99)
     st = eng.table.get(sid)
     assert eng.stats.tokens_reprefilled == 0
-    assert eng.stats.tokens_prefilled + eng.stats.tokens_decoded == st.num_computed
+    assert eng.stats.tokens_prefilled + eng.stats.tokens_decoded == st.ledger.num_computed
     assert max_diff(hf_model, eng.stream_record(sid)) <= 1e-5
 
 

@@ -201,8 +201,8 @@ def test_reprefill_on_update_recomputes_carried_episodes(tmp_path):
     their kept KV is recomputed (counted); by default it is kept (0 recomputed)."""
     from transformers import AutoTokenizer
 
-    from envs.chat import ChatRenderer
     from envs.registry import make_taskset
+    from envs.rollout.chat import ChatRenderer
     from harness.distributed import TrainerGroup
     from harness.inference import BuiltinInference
     from harness.orchestrator import Orchestrator
@@ -218,7 +218,7 @@ def test_reprefill_on_update_recomputes_carried_episodes(tmp_path):
         renderer = ChatRenderer(AutoTokenizer.from_pretrained(path), tasks.make_env().system_prompt)
         orch = Orchestrator(cfg.orchestrator, cfg.compaction, inference.client, tasks, renderer)
         orch.fill()
-        while sum(st.num_computed > 0 for st in engine.table.streams.values()) < 2:
+        while sum(st.ledger.num_computed > 0 for st in engine.table.streams.values()) < 2:
             await asyncio.sleep(0.01)
         counts = [await sync_weights(inference, TrainerGroup(trainer), orch, v, reprefill=v == 2) for v in (1, 2)]
         await orch.drain()

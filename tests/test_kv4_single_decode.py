@@ -4,13 +4,13 @@ import pytest
 import torch
 from kv4_cases import rel_l2
 
+from kvstreams_sglang.kernels import single_decode
 from kvstreams_sglang.kv4 import (
     dequantize_int4,
     dequantize_int8,
     hadamard,
     quantize_int4,
     quantize_int8,
-    single_decode,
     split_regions,
 )
 

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 from kvstreams_sglang.engine import Engine
 from kvstreams_sglang.testing.episodes import EVICTION_PATTERNS, scripted_episode
-from trainer_masks import stream_logprobs
+from trainer_masks.scoring import stream_logprobs
 
 
 @pytest.fixture(scope="module")

@@ -8,10 +8,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from envs.client import BuiltinClient
+from envs.rollout.client import BuiltinClient
 from kvstreams_sglang.engine import Engine, SamplingParams
 from kvstreams_sglang.kv4.quant import dequantize_int4, dequantize_int8
-from trainer_masks import stream_logprobs
+from trainer_masks.scoring import stream_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +53,8 @@ def new_policy_diffs(model, record, version=1):
 
 
 def snapshot(eng):
-    return {sid: (list(st.slots), list(st.positions), st.num_computed, list(st.token_ids), list(st.evictions))
-            for sid, st in eng.table.streams.items()}
+    return {sid: (list(st.slots), list(st.positions), st.ledger.num_computed, list(st.ledger.token_ids),
+                  list(st.ledger.evictions)) for sid, st in eng.table.streams.items()}
 
 
 @pytest.mark.parametrize("reprefill", [False, True])
@@ -64,7 +64,7 @@ def test_reprefill_makes_the_sampler_replay_the_new_policy(tiny_model_path, new_
     eng.prefill(a)  # stream a: nothing pending
     b = build_stream(eng, offset=3)
     eng.append(b, list(range(160, 170)))  # stream b: the last sampled token and 10 env tokens pending
-    len_a, len_b, pending_b = len(eng.stream_record(a)), len(eng.stream_record(b)), len(eng.table.get(b).pending)
+    len_a, len_b, pending_b = len(eng.stream_record(a)), len(eng.stream_record(b)), eng.table.get(b).ledger.num_pending
     assert pending_b == 11
     before, used = snapshot(eng), eng.table.allocator.num_used
     assert eng.update_weights(new_weights) == 1
@@ -102,7 +102,7 @@ def test_reprefill_with_a_generation_in_flight(tiny_model_path, new_weights, new
             await asyncio.sleep(0)  # let the engine loop run a few steps
         assert sid in eng._requests  # still generating
         st = eng.table.get(sid)
-        seen["pending"], seen["computed"] = len(st.pending), st.num_computed
+        seen["pending"], seen["computed"] = st.ledger.num_pending, st.ledger.num_computed
         eng.update_weights(new_weights)
         seen["count"] = await client.reprefill_streams()
         return await task
@@ -144,7 +144,7 @@ def test_kv4_reprefill_tracks_the_new_policy(tiny_model_path, new_weights, new_m
             recent_pos = st.positions[-1]  # in the INT8 ring and in INT4
             slot, side = st.slots[-1], eng.pool.side_slot(st.row, recent_pos)
             old4, old8 = kv4_int4_vs_int8_keys(cache, slot, side)
-            assert eng.reprefill() == st.num_computed
+            assert eng.reprefill() == st.ledger.num_computed
             new4, new8 = kv4_int4_vs_int8_keys(cache, slot, side)
             # both copies moved to the new policy's key (and agree with each other again)
             assert (new4 - old4).abs().max() > 0.05 and (new8 - old8).abs().max() > 0.05

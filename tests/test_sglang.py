@@ -18,7 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvstreams_sglang.engine import Engine
-from trainer_masks import StreamRecord, stream_logprobs
+from trainer_masks import StreamRecord
+from trainer_masks.scoring import stream_logprobs
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
                                 reason="sglang not installed (make sglang-cpu)")
@@ -268,9 +269,9 @@ def test_a_stream_keeps_its_kv_across_a_weight_update_from_disk(kv4rl_server, ti
         old = [await c.generate(sid, params)]
         await c.append(sid, script.OBS[0])
         old.append(await c.generate(sid, params))
-        live = await c.live_tokens(sid)
+        live = c.ledger(sid).num_live
         evicted = await c.evict(sid, script.EVICT)
-        assert await c.live_tokens(sid) == live - evicted
+        assert c.ledger(sid).num_live == live - evicted
         await inference.update_weights(changed, version=1)
         await c.append(sid, script.OBS[1])
         new = await c.generate(sid, params)

@@ -5,6 +5,7 @@ import random
 import pytest
 
 from kvstreams_sglang.streams import EvictionError, OutOfSlotsError, SlotAllocator, StreamTable
+from trainer_masks import EvictionEvent
 
 
 def test_allocator_hands_out_each_slot_once_and_takes_it_back():
@@ -21,7 +22,7 @@ def test_allocator_hands_out_each_slot_once_and_takes_it_back():
 
 def computed_stream(table, n_prompt):
     st = table.open(list(range(n_prompt)))
-    st.commit(table.allocator.alloc(len(st.pending)))
+    st.commit(table.allocator.alloc(st.ledger.num_pending))
     return st
 
 
@@ -30,11 +31,11 @@ def test_eviction_keeps_original_positions_and_new_tokens_continue():
     st = computed_stream(table, 10)
     assert table.evict(st.sid, [(2, 5), (7, 8)]) == 4
     assert st.positions == [0, 1, 5, 6, 8, 9]
-    st.add([100, 101], "env")
+    st.ledger.append([100, 101], "env")
     st.commit(table.allocator.alloc(2))
     assert st.positions == [0, 1, 5, 6, 8, 9, 10, 11]  # counting continues from the stream end
-    assert st.evictions == [(10, ((2, 5), (7, 8)))]
-    assert sum(run[2] for run in st.position_runs()) == st.num_live
+    assert st.ledger.evictions == [EvictionEvent(at_index=10, spans=((2, 5), (7, 8)))]
+    assert sum(run[2] for run in st.position_runs()) == st.ledger.num_live
 
 
 @pytest.mark.parametrize(
@@ -52,11 +53,11 @@ def test_invalid_evict_raises_and_changes_nothing(spans, match):
     table = StreamTable(64, 4)
     st = computed_stream(table, 10)
     table.evict(st.sid, [(2, 3)])
-    st.add([7], "model")  # a sampled token whose KV is not computed yet
-    before = (list(st.slots), list(st.positions), list(st.evictions), table.allocator.num_free)
+    st.ledger.add_sampled(7, 0.0, 0)  # a sampled token whose KV is not computed yet
+    before = (list(st.slots), list(st.positions), list(st.ledger.evictions), table.allocator.num_free)
     with pytest.raises(EvictionError, match=match):
         table.evict(st.sid, spans)
-    assert (st.slots, st.positions, st.evictions, table.allocator.num_free) == before
+    assert (st.slots, st.positions, st.ledger.evictions, table.allocator.num_free) == before
 
 
 def test_random_open_append_generate_evict_close_never_leaks_or_double_frees():
@@ -71,15 +72,15 @@ def test_random_open_append_generate_evict_close_never_leaks_or_double_frees():
             if op < 0.15 or not sids:
                 if len(table.streams) < 16:
                     st = table.open([1] * rng.randint(1, 20))
-                    st.commit(table.allocator.alloc(len(st.pending)))
+                    st.commit(table.allocator.alloc(st.ledger.num_pending))
             elif op < 0.45:  # append observation, then prefill it
                 st = table.streams[rng.choice(sids)]
-                st.add([2] * rng.randint(1, 12), "env")
-                st.commit(table.allocator.alloc(len(st.pending)))
+                st.ledger.append([2] * rng.randint(1, 12), "env")
+                st.commit(table.allocator.alloc(st.ledger.num_pending))
             elif op < 0.7:  # generate: sample, then compute the sampled token
                 st = table.streams[rng.choice(sids)]
                 for _ in range(rng.randint(1, 8)):
-                    st.add_sampled(3, -1.0, 0)
+                    st.ledger.add_sampled(3, -1.0, 0)
                     st.commit(table.allocator.alloc(1))
             elif op < 0.92:  # evict a random live range (maybe invalid)
                 st = table.streams[rng.choice(sids)]

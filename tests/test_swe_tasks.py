@@ -8,11 +8,11 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from envs.agent_loop import EpisodeConfig, run_episodes
-from envs.chat import ChatRenderer
-from envs.client import BuiltinClient
-from envs.compaction import STRATEGIES, CompactionConfig
-from envs.protocol import Environment, Task, TaskSet
+from envs.rollout.agent_loop import EpisodeConfig, run_episodes
+from envs.rollout.chat import ChatRenderer
+from envs.rollout.client import BuiltinClient
+from envs.rollout.compaction import STRATEGIES, CompactionConfig
+from envs.rollout.protocol import Environment, Task, TaskSet
 from envs.swe import git
 from envs.swe.builder import BuildConfig, build
 from envs.swe.env import SweEnv, SweEnvConfig, SweTaskSet

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from env_loop import env_text, play_tiny
 
-from envs.compaction import STRATEGIES
+from envs.rollout.compaction import STRATEGIES
 from envs.textworld.env import TextWorldEnv
 from envs.textworld.generate import EXTENSIONS, GameSpec, generate_games
 from envs.textworld.presets import PRESETS

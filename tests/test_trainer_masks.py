@@ -20,10 +20,9 @@ from trainer_masks import (
     pack,
     reprefill_segments,
     reprefilled_tokens,
-    score_streams,
-    stream_logprobs,
 )
-from trainer_masks.logprobs import resolve_impl, token_logprobs_and_entropy
+from trainer_masks.scoring import score_streams, stream_logprobs
+from trainer_masks.scoring.logprobs import resolve_impl, token_logprobs_and_entropy
 
 
 def make_record(token_ids, evictions=(), sources=None) -> StreamRecord:

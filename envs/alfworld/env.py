@@ -9,7 +9,7 @@ when won or after ``max_steps`` commands (the standard ALFWorld budget is 50).
 
 from __future__ import annotations
 
-from envs.protocol import StepResult, Task
+from envs.rollout.protocol import StepResult, Task
 from envs.textworld.text import compact, parse_action
 
 from .worker import GamePool, GameProcess

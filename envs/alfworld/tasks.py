@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from envs.protocol import Task
+from envs.rollout.protocol import Task
 
 from .data import ARCHIVE, GameFiles
 from .env import AlfWorldEnv

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..compaction import CompactionConfig
-from ..protocol import StepResult, Task
+from ..rollout.compaction import CompactionConfig
+from ..rollout.protocol import StepResult, Task
 from .actions import SYSTEM_PROMPT, Bash, Edit, Malformed, Submit, parse_action
 from .grading import Grade, apply_patch_command, evaluate, heredoc
 from .instance import SweInstance, load_instances

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import warnings
 
-from envs.protocol import StepResult, Task
+from envs.rollout.protocol import StepResult, Task
 
 from .text import compact, parse_action
 

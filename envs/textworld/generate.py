@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .presets import CUSTOM, PRESETS, Preset
+from .presets import CUSTOM, PRESETS, Preset, first_seed
 
 EXTENSIONS = (".json", ".ni", ".z8")  # the story last: its presence marks a complete game
 ATTEMPTS = 10
@@ -215,8 +215,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve:
         serve()
         return
-    from .tasks import first_seed
-
     start = first_seed(args.split) if args.first_seed is None else args.first_seed
     specs = [GameSpec(args.preset, args.split, start + i) for i in range(args.n)]
     t0 = time.perf_counter()

@@ -26,6 +26,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 CUSTOM = "custom"
+SPLITS = {"train": 0, "eval": 1_000_000}  # first seed of each split: train and eval games never share a seed
+
+
+def first_seed(split: str) -> int:
+    if split not in SPLITS:
+        raise ValueError(f"unknown TextWorld split {split!r}; expected one of {sorted(SPLITS)}")
+    return SPLITS[split]
+
 
 
 @dataclass(frozen=True)

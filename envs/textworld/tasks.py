@@ -11,19 +11,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from envs.protocol import Task
+from envs.rollout.protocol import Task
 
 from .env import SYSTEM_PROMPT, TextWorldEnv
 from .generate import GameSpec, default_cache_dir, generate_games
-from .presets import PRESETS
-
-SPLITS = {"train": 0, "eval": 1_000_000}  # first seed of each split
-
-
-def first_seed(split: str) -> int:
-    if split not in SPLITS:
-        raise ValueError(f"unknown TextWorld split {split!r}; expected one of {sorted(SPLITS)}")
-    return SPLITS[split]
+from .presets import PRESETS, first_seed
 
 
 class TextWorldConfig(BaseModel):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from ..protocol import StepResult, Task
+from ..rollout.protocol import StepResult, Task
 
 
 def read_door(action: str) -> str:

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import bf16_decode, plan_decode
+from ..kernels.attend import kv4_attention_step
 from ..kernels.stream_attention import stream_attention
-from ..kv4.attend import kv4_attention_step
 from ..streams import FullPrecisionPool, KV4Pool, SlotTable
 from .batch import ForwardBatch, StepItem, build_full_precision_batch, build_invariant_batch, build_kv4_batch
 

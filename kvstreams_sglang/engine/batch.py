@@ -21,8 +21,8 @@ import torch
 from torch.nn.attention.flex_attention import BlockMask
 
 from trainer_masks import PackedBatch, StreamRecord, flex_block_mask, pack
-from trainer_masks.invariant import packed_plan
-from trainer_masks.logprobs import HF_ATTENTION, resolve_impl
+from trainer_masks.scoring.invariant import packed_plan
+from trainer_masks.scoring.logprobs import HF_ATTENTION, resolve_impl
 
 from ..kernels.stream_attention import StreamAttentionPlan, key_row_map, plan_stream_attention
 from ..kv4.regions import csr, new_side_slots, region_lists
@@ -79,10 +79,10 @@ def _common(items: list[StepItem], mode, table: SlotTable, device) -> tuple[Forw
     ids, slots, n_new, before, prefix, rows = [], [], [], [], [], []
     for it in items:
         st = it.stream
-        ids.extend(st.token_ids[st.num_computed:st.num_computed + it.num_new])
+        ids.extend(st.ledger.token_ids[st.ledger.num_computed:st.ledger.num_computed + it.num_new])
         slots.extend(it.slots)
         n_new.append(it.num_new)
-        before.append(st.num_computed)
+        before.append(st.ledger.num_computed)
         prefix.append(len(st.slots))
         rows.append(st.row)
     lens_after = [p + n for p, n in zip(prefix, n_new, strict=True)]
@@ -168,8 +168,8 @@ class ReplayBatch:
 def computed_record(stream: KVStream) -> StreamRecord:
     """The stream's ``StreamRecord`` cut to its computed tokens ``[0, num_computed)``: what the
     trainer replays for them (pending tokens have no KV yet and stay pending)."""
-    n = stream.num_computed
-    rec = stream.to_record()
+    n = stream.ledger.num_computed
+    rec = stream.ledger.to_record()
     return StreamRecord(token_ids=rec.token_ids[:n], positions=rec.positions[:n], sources=rec.sources[:n],
                         loss_mask=rec.loss_mask[:n], logprobs=rec.logprobs[:n],
                         policy_versions=rec.policy_versions[:n], evictions=rec.evictions)
@@ -194,7 +194,7 @@ def build_replay_batch(streams: list[KVStream], device, *, impl="auto", pool=Non
         rows.extend(off + p for p in st.positions)
         slots.extend(st.slots)
         positions.extend(st.positions)
-        ends.extend([st.num_computed] * len(st.positions))
+        ends.extend([st.ledger.num_computed] * len(st.positions))
         stream_rows.extend([st.row] * len(st.positions))
     batch = ReplayBatch(packed=packed, mask=mask, attention=HF_ATTENTION[impl], live_rows=torch.tensor(rows, **as_long),
                         live_slots=torch.tensor(slots, **as_long), stream_plan=plan)

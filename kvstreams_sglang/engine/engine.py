@@ -19,6 +19,8 @@ from typing import Literal
 
 import torch
 
+from trainer_masks import StreamLedger
+
 from ..streams import FullPrecisionPool, KV4Pool, OutOfSlotsError, SlotTable, StreamTable
 from .attention import FullPrecisionBackend, KV4Backend
 from .batch import StepItem, build_replay_batch
@@ -96,14 +98,16 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
 
     # ---- stream verbs ----
-    def open_stream(self, token_ids: list[int]) -> int:
-        if not token_ids:
+    def open_stream(self, stream: list[int] | StreamLedger) -> int:
+        """A new stream on ``stream``'s tokens (pending: prefilled with the first generation). A
+        ``StreamLedger`` is adopted as the stream's ledger, and stays the caller's view of it."""
+        if not (stream.token_ids if isinstance(stream, StreamLedger) else stream):
             raise ValueError("open_stream needs at least one token")
-        return self.table.open(token_ids).sid
+        return self.table.open(stream).sid
 
     def append(self, sid: int, token_ids: list[int], *, source: Literal["env", "prompt"] = "env") -> None:
         self._idle(sid, "append to")
-        self.table.get(sid).add(list(token_ids), source)
+        self.table.get(sid).ledger.append(token_ids, source)
 
     def evict(self, sid: int, spans) -> int:
         """Free the KV of ``spans`` (``[start, end)`` stream positions) in place; returns the
@@ -122,10 +126,13 @@ class Engine:
         self._update_slot_stats()
 
     def stream_record(self, sid: int, **meta):
-        return self.table.get(sid).to_record(kv_dtype=self.kv_dtype, **meta)
+        return self.table.get(sid).ledger.to_record(kv_dtype=self.kv_dtype, **meta)
+
+    def ledger(self, sid: int) -> StreamLedger:
+        return self.table.get(sid).ledger
 
     def live_tokens(self, sid: int) -> int:
-        return self.table.get(sid).num_live
+        return self.table.get(sid).ledger.num_live
 
     def update_weights(self, state_dict: dict[str, torch.Tensor], *, version: int | None = None) -> int:
         """Swap weights in place; every stream keeps its KV. Returns the new policy version."""
@@ -170,8 +177,9 @@ class Engine:
                                                                            if len(unknown) > 1 else ""))
             streams = [self.table.get(s) for s in dict.fromkeys(sids)]
         groups: list[list] = []
-        for st in (st for st in streams if st.num_computed > 0):
-            if not groups or sum(g.num_computed for g in groups[-1]) + st.num_computed > self.max_prefill_tokens:
+        for st in (st for st in streams if st.ledger.num_computed > 0):
+            computed = sum(g.ledger.num_computed for g in groups[-1]) if groups else 0
+            if not groups or computed + st.ledger.num_computed > self.max_prefill_tokens:
                 groups.append([])
             groups[-1].append(st)
         total = 0
@@ -181,7 +189,7 @@ class Engine:
         for group in groups:
             replay(r.model, self.pool, build_replay_batch(group, self.device, impl=impl, pool=self.pool,
                                                           group=r.num_heads // r.num_kv_heads))
-            n = sum(st.num_computed for st in group)
+            n = sum(st.ledger.num_computed for st in group)
             self.stats.tokens_reprefilled_on_update += n
             total += n
         return total
@@ -238,7 +246,7 @@ class Engine:
         st = self.table.get(sid)
         if sid in self._requests:
             raise RuntimeError(f"stream {sid} is already generating")
-        if not st.pending:
+        if not st.ledger.num_pending:
             raise RuntimeError(f"stream {sid} has no pending token to continue from")
         gen = None
         if params is not None and params.seed is not None:
@@ -258,13 +266,13 @@ class Engine:
         reqs = list(self._requests.values())
         if not reqs:
             return
-        extend = [r for r in reqs if len(self.table.get(r.sid).pending) > 1 or r.params is None]
+        extend = [r for r in reqs if self.table.get(r.sid).ledger.num_pending > 1 or r.params is None]
         mode = "extend" if extend else "decode"
         chosen = extend if extend else reqs
         items, budget = [], self.max_prefill_tokens
         for r in chosen:
             st = self.table.get(r.sid)
-            n = len(st.pending)
+            n = st.ledger.num_pending
             if mode == "extend" and items and n > budget:
                 break
             try:
@@ -276,7 +284,8 @@ class Engine:
             items.append(StepItem(st, n, slots))
             budget -= n
         self.slot_table.append_batch([it.stream.row for it in items], [it.num_new for it in items],
-                                     [s for it in items for s in it.slots], [it.stream.num_computed for it in items])
+                                     [s for it in items for s in it.slots],
+                                     [it.stream.ledger.num_computed for it in items])
         fb = self.backend.prepare(items, mode, self.slot_table, self.device)
         logits = self.runner.forward(fb, self.backend)
         reqs = [self._requests[it.stream.sid] for it in items]
@@ -300,7 +309,7 @@ class Engine:
         self._update_slot_stats()
 
     def _record_sample(self, req: _Request, tok: int, lp: float) -> None:
-        self.table.get(req.sid).add_sampled(tok, lp, self.policy_version)
+        self.table.get(req.sid).ledger.add_sampled(tok, lp, self.policy_version)
         req.out.token_ids.append(tok)
         req.out.logprobs.append(lp)
         if tok in req.params.stop_token_ids:

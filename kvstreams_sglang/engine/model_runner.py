@@ -11,7 +11,7 @@ import contextlib
 
 import torch
 
-from trainer_masks.lm_head import decoder, fp32_logits
+from trainer_masks.scoring.lm_head import decoder, fp32_logits
 
 from ..kernels.batch_invariant import batch_invariant
 from .attention import register

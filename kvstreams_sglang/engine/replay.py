@@ -18,10 +18,10 @@ import contextlib
 
 import torch
 
-from trainer_masks.invariant import invariant_kernels
-from trainer_masks.invariant import register as register_invariant
-from trainer_masks.lm_head import decoder
-from trainer_masks.logprobs import attention_implementation, layer_masks
+from trainer_masks.scoring.invariant import invariant_kernels
+from trainer_masks.scoring.invariant import register as register_invariant
+from trainer_masks.scoring.lm_head import decoder
+from trainer_masks.scoring.logprobs import attention_implementation, layer_masks
 
 from ..kernels import kv4_store
 from ..kv4.reference import store_reference

@@ -3,7 +3,7 @@
 ``init_forward_metadata`` builds, once per step, what every layer reads (FlashInfer's plan
 pattern): each request's row of ``req_to_token`` with the logical positions of its tokens,
 split into the INT4 and INT8 region lists by the rule of ``kv4.regions``, and where the new
-tokens' INT8 copies go. The layers then run ``kv4.attend.kv4_attention_step``, the same step
+tokens' INT8 copies go. The layers then run ``kernels.attend.kv4_attention_step``, the same step
 as the built-in engine: the Triton kernels on CUDA, their torch references elsewhere. The
 backend writes the KV itself (quantise + scatter), so ``save_kv_cache=False`` is refused.
 """
@@ -16,7 +16,7 @@ import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from ..kernels import plan_decode
-from ..kv4.attend import kv4_attention_step
+from ..kernels.attend import kv4_attention_step
 from ..kv4.regions import new_side_slots, region_lists
 from .pool import KV4TokenToKVPool
 

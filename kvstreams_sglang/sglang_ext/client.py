@@ -1,10 +1,10 @@
 """Engine clients over SGLang streaming sessions: one KV stream = one session.
 
-The client keeps what the trainer needs (``streams.KVStream``: every token with its source,
-sampler logprob and policy version, and the evictions) and sends the server only what it
-does not have yet: each turn's request carries the tokens appended since the last one; the
-server keeps the session's KV row, so nothing is re-prefilled. Spans are validated here
-with the engine's rule before they travel, and again by the server.
+The client keeps each stream's ``StreamLedger`` (every token with its source, sampler logprob
+and policy version, the computed count, the evictions: what the trainer needs) and sends the
+server only what it does not have yet: each turn's request carries the tokens appended since
+the last one; the server keeps the session's KV, so nothing is re-prefilled. Spans are
+validated by the ledger before they travel (the server checks its own state again).
 
 - ``SGLangClient``: the harness's async ``EngineClient`` over the HTTP server
   (``python -m kvstreams_sglang.launch_server ... --enable-kv-streams``).
@@ -17,9 +17,10 @@ import itertools
 import json
 from dataclasses import dataclass
 
+from trainer_masks import StreamLedger
+
 from ..engine.engine import Generation
 from ..engine.sampling import SamplingParams
-from ..streams import KVStream
 
 SESSION_CAPACITY = 1 << 30  # SGLang's per-session string capacity; streams are bounded by the KV pool instead
 
@@ -37,21 +38,24 @@ def sglang_sampling_params(params: SamplingParams) -> dict:
 
 @dataclass
 class _Session:
+    """A stream on the server: its ledger, the session id, and how many of its tokens the server
+    holds (sent, or sampled there)."""
+
     session_id: str
-    stream: KVStream
+    ledger: StreamLedger
     opened_version: int = 0
-    sent: int = 0  # stream tokens the server holds (sent or sampled there)
+    sent: int = 0
 
     def request_ids(self) -> list[int]:
-        ids = self.stream.token_ids[self.sent:]
+        ids = self.ledger.token_ids[self.sent:]
         if not ids:
-            raise ValueError(f"stream {self.stream.sid}: nothing to send (generate needs a pending token)")
+            raise ValueError(f"{self.ledger.name}: nothing to send (generate needs a pending token)")
         return ids
 
     def record_prefill(self) -> None:
         """Book a prefill-only turn (``max_new_tokens=0``): the server computed everything it holds."""
-        self.sent = len(self.stream.token_ids)
-        self.stream.commit([-1] * (self.sent - self.stream.num_computed))
+        self.sent = self.ledger.end
+        self.ledger.commit(self.ledger.num_pending)
 
     def record(self, output: dict, params: SamplingParams, version: int) -> Generation:
         """Book one turn's server response; returns it as a ``Generation``."""
@@ -59,12 +63,11 @@ class _Session:
         lps = [float(lp) for lp, *_ in output["meta_info"]["output_token_logprobs"]]
         if len(lps) != len(ids):
             raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
-        st = self.stream
+        ledger = self.ledger
         for tok, lp in zip(ids, lps, strict=True):
-            st.add_sampled(tok, lp, version)
-        self.sent = len(st.token_ids)
-        # the server computed everything it holds but the last sampled token
-        st.commit([-1] * (self.sent - 1 - st.num_computed))
+            ledger.add_sampled(tok, lp, version)
+        ledger.commit(ledger.num_pending - 1)  # the server computed everything it holds but the last sampled token
+        self.sent = ledger.end
         stop = set(params.stop_token_ids)
         reason = "stop" if ids and ids[-1] in stop else "length"
         return Generation(ids, lps, reason)
@@ -86,15 +89,15 @@ class _Streams:
     def _count_turn(self, s: _Session, meta: dict) -> None:
         self.stats["turns"] += 1
         self.stats["turns_across_updates"] += s.opened_version < self.policy_version
-        self.stats["cached_tokens_lost"] += max(0, s.stream.num_live - int(meta.get("cached_tokens", 0)))
+        self.stats["cached_tokens_lost"] += max(0, s.ledger.num_live - int(meta.get("cached_tokens", 0)))
 
-    def _new(self, session_id: str, token_ids: list[int]) -> int:
-        if not token_ids:
-            raise ValueError("open needs at least one token")
+    def _new(self, session_id: str, stream: list[int] | StreamLedger) -> int:
+        ledger = stream if isinstance(stream, StreamLedger) else StreamLedger(stream)
+        if not ledger.token_ids or ledger.num_computed:
+            raise ValueError("open needs at least one token, none computed")
         sid = next(self._sids)
-        st = KVStream(sid=sid, row=-1)
-        st.add(list(token_ids), "prompt")
-        self._sessions[sid] = _Session(session_id, st, opened_version=self.policy_version)
+        ledger.name = f"stream {sid}"
+        self._sessions[sid] = _Session(session_id, ledger, opened_version=self.policy_version)
         return sid
 
     def _get(self, sid: int) -> _Session:
@@ -103,17 +106,11 @@ class _Streams:
         except KeyError:
             raise KeyError(f"no open stream {sid}") from None
 
-    def _evicted(self, sid: int, spans) -> int:
-        return len(self._get(sid).stream.evict(spans))
-
-    def live_tokens_of(self, sid: int) -> int:
-        return self._get(sid).stream.num_live
-
-    def stream_end(self, sid: int) -> int:
-        return self._get(sid).stream.end
+    def ledger(self, sid: int) -> StreamLedger:
+        return self._get(sid).ledger
 
     def _record(self, sid: int, kv_dtype: str, **meta):
-        return self._get(sid).stream.to_record(kv_dtype=kv_dtype, engine="sglang", **meta)
+        return self._get(sid).ledger.to_record(kv_dtype=kv_dtype, engine="sglang", **meta)
 
 
 class EngineStreams(_Streams):
@@ -124,12 +121,12 @@ class EngineStreams(_Streams):
         self.engine = engine
         self.kv_dtype = "kv4rl" if engine.server_args.kv4rl else "bf16"
 
-    def open_stream(self, token_ids: list[int]) -> int:
+    def open_stream(self, stream: list[int] | StreamLedger) -> int:
         session_id = self.engine.open_session(capacity_of_str_len=SESSION_CAPACITY, streaming=True)
-        return self._new(session_id, token_ids)
+        return self._new(session_id, stream)
 
     def append(self, sid: int, token_ids: list[int], *, source: str = "env") -> None:
-        self._get(sid).stream.add(list(token_ids), source)
+        self._get(sid).ledger.append(token_ids, source)
 
     def generate(self, sid: int, params: SamplingParams) -> tuple[Generation, dict]:
         """One turn; also returns SGLang's ``meta_info`` (``cached_tokens``, ``prompt_tokens``)."""
@@ -141,9 +138,10 @@ class EngineStreams(_Streams):
 
     def evict(self, sid: int, spans) -> int:
         s = self._get(sid)
-        s.stream.validate_evict(spans)
-        self.engine.evict(s.session_id, spans)
-        return self._evicted(sid, spans)
+        eviction = s.ledger.check_evict(spans)
+        self.engine.evict(s.session_id, eviction.spans)
+        s.ledger.apply(eviction)
+        return len(eviction.dropped)
 
     def stream_record(self, sid: int, **meta):
         return self._record(sid, self.kv_dtype, **meta)
@@ -153,7 +151,7 @@ class EngineStreams(_Streams):
 
 
 class SGLangClient(_Streams):
-    """``envs.client.EngineClient`` over an SGLang HTTP server launched with ``--enable-kv-streams``."""
+    """``envs.rollout.client.EngineClient`` over an SGLang HTTP server launched with ``--enable-kv-streams``."""
 
     def __init__(self, base_url: str, *, kv_dtype: str = "bf16", timeout_s: float = 600.0):
         super().__init__()
@@ -182,14 +180,14 @@ class SGLangClient(_Streams):
             await self._http.close()
             self._http = None
 
-    async def open(self, token_ids):
+    async def open(self, stream):
         session_id = await self._post("/open_session", dict(capacity_of_str_len=SESSION_CAPACITY, streaming=True))
         if not session_id:
             raise RuntimeError("SGLang refused to open a session (is --enable-kv-streams on?)")
-        return self._new(session_id, token_ids)
+        return self._new(session_id, stream)
 
     async def append(self, sid, token_ids, source="env"):
-        self._get(sid).stream.add(list(token_ids), source)
+        self._get(sid).ledger.append(token_ids, source)
 
     async def generate(self, sid, params):
         s = self._get(sid)
@@ -203,20 +201,18 @@ class SGLangClient(_Streams):
 
     async def evict(self, sid, spans):
         s = self._get(sid)
-        s.stream.validate_evict(spans)
-        await self._post("/kvstreams/evict", dict(session_id=s.session_id, spans=[list(x) for x in spans]))
-        return self._evicted(sid, spans)
+        eviction = s.ledger.check_evict(spans)
+        await self._post("/kvstreams/evict", dict(session_id=s.session_id, spans=[list(x) for x in eviction.spans]))
+        s.ledger.apply(eviction)
+        return len(eviction.dropped)
 
     async def prefill(self, sid):
         s = self._get(sid)
-        if len(s.stream.token_ids) == s.stream.num_computed:
+        if not s.ledger.num_pending:
             return
         await self._post("/generate", dict(input_ids=s.request_ids(), sampling_params=dict(max_new_tokens=0),
                                            session_params={"id": s.session_id}))
         s.record_prefill()
-
-    async def live_tokens(self, sid):
-        return self.live_tokens_of(sid)
 
     async def reprefill_streams(self, sids=None):
         raise NotImplementedError("reprefill_on_update needs the built-in engine; SGLang keeps the sessions' KV")

@@ -12,14 +12,14 @@ and kept KV keeps the position it was computed at (``patches`` adds the offset t
 ``ForwardBatch.positions``).
 
 Spans are stream (logical) positions, validated exactly as the built-in engine's
-(``streams.validate_spans``); an invalid call raises ``EvictionError`` and changes nothing.
+(``trainer_masks.check_spans``); an invalid call raises ``EvictionError`` and changes nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..streams import EvictionError, validate_spans
+from trainer_masks import EvictionError, check_spans
 
 OFFSET_ATTR = "kvstreams_offset"  # on sglang's Session: positions evicted so far
 POSITIONS_ATTR = "kvstreams_positions"  # on sglang's Session: logical positions of the row, as of the last eviction
@@ -81,8 +81,8 @@ def evict_session_spans(scheduler, session_id: str, spans) -> dict:
     offset = getattr(session, OFFSET_ATTR, 0)
     positions = live_positions(session, n)
     tokens = session_tokens(req)
-    spans = validate_spans(spans, live_positions=positions, num_computed=n + offset, end=len(tokens) + offset,
-                           name=f"session {session_id!r}")
+    spans = check_spans(spans, live=positions, num_computed=n + offset, end=len(tokens) + offset,
+                        name=f"session {session_id!r}").spans
     dead = set()
     for start, stop in spans:
         dead.update(range(start, stop))

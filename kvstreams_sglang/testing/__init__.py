@@ -1,6 +1,6 @@
-"""Offline fixtures: a byte-level tokenizer and a tiny random Qwen3 checkpoint for tests and demos."""
+"""Test helpers (scripted episodes). Production code never imports this package; the offline
+model builders it used to hold live in ``kvstreams_sglang.checkpoints`` (re-exported here for tests)."""
 
-from kvstreams_sglang.testing.byte_tokenizer import build_byte_tokenizer
-from kvstreams_sglang.testing.tiny_model import build_tiny_model
+from kvstreams_sglang.checkpoints import build_byte_tokenizer, build_tiny_model
 
 __all__ = ["build_byte_tokenizer", "build_tiny_model"]

@@ -49,7 +49,7 @@ def scripted_episode(eng, pattern: Pattern, *, turns: int = 7, seed: int = 0, su
     live: list[tuple[int, int]] = []
     for t in range(turns):
         if summary_at == t:
-            start = eng.table.get(sid).end
+            start = eng.ledger(sid).end
             eng.append(sid, [rng.randrange(vocab) for _ in range(6)], source="prompt")
             eng.generate(sid, max_new_tokens=8, seed=1000 + t)
             eng.evict(sid, [*live, (start, start + 6)])
@@ -57,10 +57,10 @@ def scripted_episode(eng, pattern: Pattern, *, turns: int = 7, seed: int = 0, su
         for span in pattern(live, t):
             eng.evict(sid, [span])
             live.remove(span)
-        start = eng.table.get(sid).end
+        start = eng.ledger(sid).end
         eng.generate(sid, max_new_tokens=rng.randint(2, max_turn_tokens), seed=seed * 100 + t)
         eng.append(sid, [rng.randrange(vocab) for _ in range(rng.randint(*env_tokens))])
-        live.append((start, eng.table.get(sid).end - 1))  # the env turn's last token is still pending
+        live.append((start, eng.ledger(sid).end - 1))  # the env turn's last token is still pending
     eng.generate(sid, max_new_tokens=4, seed=seed)
     record = eng.stream_record(sid)
     eng.close(sid)

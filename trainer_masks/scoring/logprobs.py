@@ -22,11 +22,11 @@ from typing import Literal, overload
 
 import torch
 
+from ..masks import PackedBatch, flex_block_mask, pack
+from ..record import StreamRecord
 from .invariant import invariant_kernels, packed_plan
 from .invariant import register as register_invariant
 from .lm_head import decoder, fp32_logits
-from .masks import PackedBatch, flex_block_mask, pack
-from .record import StreamRecord
 
 Impl = Literal["auto", "sdpa", "flex", "invariant"]
 HF_ATTENTION = {"sdpa": "sdpa", "flex": "flex_attention", "invariant": "kvstreams_invariant"}
@@ -46,7 +46,7 @@ class StreamScores:
 def resolve_impl(impl: Impl, device: torch.device) -> Literal["sdpa", "flex", "invariant"]:
     """``"auto"``: FlexAttention on CUDA, where block sparsity skips evicted keys; SDPA elsewhere,
     where compiling flex costs more than the dense mask saves. ``"invariant"``: batch-invariant
-    kernels (``trainer_masks.invariant``), bit-equal to an ``Engine(batch_invariant=True)``."""
+    kernels (``trainer_masks.scoring.invariant``), bit-equal to an ``Engine(batch_invariant=True)``."""
     if impl == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if impl not in HF_ATTENTION:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvstreams_sglang.engine import SamplingParams
+from trainer_masks import StreamLedger
 
 from .chat import ChatRenderer
 from .client import EngineClient
@@ -82,35 +83,42 @@ def turn_seed(seed: int, generation: int) -> int:
 
 
 class StreamConversation:
-    """The episode's stream as the loop and the strategies see it (implements
-    ``compaction.Conversation``). Tracks spans in current-stream positions."""
+    """The episode as the loop and the strategies see it (implements ``compaction.Conversation``):
+    the turn structure (first message, completed turns, their texts) in positions of the current
+    stream, over the stream's ``StreamLedger`` (tokens, what is computed, what is evicted), which
+    the client owns. In re-prefill mode each context window is a new stream."""
 
     def __init__(self, client: EngineClient, renderer: ChatRenderer, sampling: SamplingParams, stats: EpisodeStats):
         self.client, self.renderer, self.sampling, self.stats = client, renderer, sampling, stats
         self.generations = 0  # generations so far: each one draws its own sampling noise (``turn_seed``)
         self.sid: int | None = None
-        self.tokens: list[int] = []  # every token of the current stream
-        self.pending = 0  # trailing tokens whose KV is not computed yet
+        self.ledger: StreamLedger | None = None
         self.first: Span = (0, 0)
         self.turns: list[Span] = []
         self.turn_texts: list[str] = []
         self.segments: list = []
         self.turn_log: list[tuple[int, Span]] = []  # (segment, span) of every completed turn
-        self.evicted: set[int] = set()  # positions of the current stream evicted in place
 
     @property
     def end(self) -> int:
-        return len(self.tokens)
+        return self.ledger.end
+
+    @property
+    def live_tokens(self) -> int:
+        """The live context: kept computed tokens and the pending ones."""
+        return self.ledger.num_live + self.ledger.num_pending
+
+    async def _open(self, stream: list[int] | StreamLedger) -> None:
+        self.sid = await self.client.open(stream)
+        self.ledger = self.client.ledger(self.sid)
 
     async def open(self, first_message: list[int]) -> None:
-        self.sid = await self.client.open(first_message)
-        self.tokens, self.pending, self.first = list(first_message), len(first_message), (0, len(first_message))
+        await self._open(first_message)
+        self.first = (0, len(first_message))
 
     async def append(self, token_ids: list[int], source: str = "env") -> Span:
         start = self.end
         await self.client.append(self.sid, token_ids, source)
-        self.tokens.extend(token_ids)
-        self.pending += len(token_ids)
         self.stats.env_tokens += len(token_ids)
         return start, self.end
 
@@ -123,10 +131,8 @@ class StreamConversation:
                                 top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                                 stop_token_ids=tuple(self.renderer.eos_ids), seed=seed)
         gen = await self.client.generate(self.sid, params)
-        self.tokens.extend(gen.token_ids)
-        self.pending = 1  # everything before the last sampled token has been computed
         self.stats.tokens_generated += len(gen.token_ids)
-        live = await self.client.live_tokens(self.sid)
+        live = self.ledger.num_live
         self.stats.live_samples.append(live)
         self.stats.peak_live_tokens = max(self.stats.peak_live_tokens, live)
         return gen.token_ids, gen.finish_reason == "stop"
@@ -140,20 +146,11 @@ class StreamConversation:
 
     def live_ranges(self, start: int, end: int) -> list[Span]:
         """Maximal runs of live positions in ``[start, end)``."""
-        runs: list[Span] = []
-        for p in range(start, end):
-            if p in self.evicted:
-                continue
-            if runs and runs[-1][1] == p:
-                runs[-1] = (runs[-1][0], p + 1)
-            else:
-                runs.append((p, p + 1))
-        return runs
+        return self.ledger.live_ranges(start, end)
 
     async def flush(self) -> None:
         """Compute the pending tokens' KV now, so that they can be evicted."""
         await self.client.prefill(self.sid)
-        self.pending = 0
 
     async def restate(self, text: str) -> Span:
         return await self.append(self.renderer.user_message(text))
@@ -166,18 +163,15 @@ class StreamConversation:
         kept_turns = [(t, x) for t, x in zip(self.turns, self.turn_texts, strict=True) if t[0] not in dead]
         if execution == "kv_streams":
             await self.client.evict(self.sid, spans)
-            self.evicted |= dead
             self.turns, self.turn_texts = [t for t, _ in kept_turns], [x for _, x in kept_turns]
             return
         # Re-prefill: close this context window, re-open a fresh stream on the kept tokens.
-        kept = [p for p in range(self.end) if p not in dead]
-        computed = self.end - self.pending
-        self.stats.tokens_reprefilled += sum(1 for p in kept if p < computed)
+        old = self.ledger
+        kept = [p for p in range(old.end) if p not in dead]
+        self.stats.tokens_reprefilled += sum(1 for p in kept if p < old.num_computed)
         new_index = {p: i for i, p in enumerate(kept)}
         self.segments.append(await self.client.close(self.sid))
-        self.sid = await self.client.open([self.tokens[p] for p in kept])
-        self.tokens = [self.tokens[p] for p in kept]
-        self.pending = len(self.tokens)
+        await self._open(old.reopen(kept))
         self.first = (0, new_index[self.first[1] - 1] + 1)
         self.turns = [(new_index[a], new_index[b - 1] + 1) for (a, b), _ in kept_turns]
         self.turn_texts = [x for _, x in kept_turns]
@@ -219,7 +213,7 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
         conv.turn_log.append((len(conv.segments), (start, conv.end)))
         conv.turn_texts.append(action)
         view = EpisodeView(first_message=conv.first, turns=list(conv.turns),
-                           live_tokens=await client.live_tokens(conv.sid) + conv.pending, turns_completed=turn + 1,
+                           live_tokens=conv.live_tokens, turns_completed=turn + 1,
                            turn_texts=list(conv.turn_texts), last_observation=result.observation)
         if strategy.triggered(view):
             c: Compaction = await strategy.compact(view, conv)

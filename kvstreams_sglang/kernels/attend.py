@@ -13,9 +13,11 @@ from typing import Literal
 
 import torch
 
-from ..kernels import kv4_decode, kv4_extend, kv4_store
-from .cache import KV4LayerCache
-from .reference import decode_reference, extend_reference, store_reference
+from ..kv4.cache import KV4LayerCache
+from ..kv4.reference import decode_reference, extend_reference, store_reference
+from .decode import kv4_decode
+from .extend import kv4_extend
+from .store import kv4_store
 
 
 def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,

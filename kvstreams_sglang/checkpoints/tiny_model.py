@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
-from kvstreams_sglang.testing.byte_tokenizer import ENDOFTEXT, IM_END, build_byte_tokenizer
+from kvstreams_sglang.checkpoints.byte_tokenizer import ENDOFTEXT, IM_END, build_byte_tokenizer
 
 VOCAB_MULTIPLE = 64  # embedding rows padded like real checkpoints; ids past the tokenizer are never produced
 

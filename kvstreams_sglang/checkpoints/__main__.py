@@ -1,4 +1,4 @@
-"""Build a tiny model directory from the command line: ``python -m kvstreams_sglang.testing DIR``."""
+"""Build a tiny model directory from the command line: ``python -m kvstreams_sglang.checkpoints DIR``."""
 
 from __future__ import annotations
 
@@ -6,13 +6,13 @@ import argparse
 
 import torch
 
-from kvstreams_sglang.testing.tiny_model import build_tiny_model
+from kvstreams_sglang.checkpoints.tiny_model import build_tiny_model
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvstreams_sglang.testing", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m kvstreams_sglang.checkpoints", description=__doc__)
     parser.add_argument("path", help="output directory (created if missing)")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=64)

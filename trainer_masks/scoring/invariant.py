@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from .masks import PackedBatch
+from ..masks import PackedBatch
 
 ATTENTION_NAME = "kvstreams_invariant"
 

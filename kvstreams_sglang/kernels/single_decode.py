@@ -13,9 +13,11 @@ from typing import Literal
 
 import torch
 
-from .cache import KV4LayerCache
-from .reference import decode_reference, store_reference
-from .regions import split_regions
+from ..kv4.cache import KV4LayerCache
+from ..kv4.reference import decode_reference, store_reference
+from ..kv4.regions import split_regions
+from .decode import kv4_decode, plan_decode
+from .store import kv4_store
 
 
 def single_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sink: int = 16, recent: int = 128,
@@ -46,8 +48,6 @@ def single_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sink: in
         out, _ = decode_reference(q, cache, kv_indptr, kv_indices, side_indptr, side_indices,
                                   sm_scale=sm_scale, rotate=rotate)
     else:
-        from ..kernels import kv4_decode, kv4_store, plan_decode
-
         kv4_store(cache, k, v, slots, side_slots, rotate=rotate)
         plan = plan_decode(kv_indptr, kv_indices, side_indptr, side_indices, num_kv_heads=hkv)
         out = kv4_decode(q.float() if q.dtype == torch.float64 else q, cache, plan, sm_scale=sm_scale,

@@ -1,16 +1,25 @@
 """The engine client the agent loop talks to: one async interface for the built-in
-engine and for an SGLang server (same verbs: open, append, generate, evict, close)."""
+engine and for an SGLang server (same verbs: open, append, generate, evict, close).
+
+A client keeps one ``StreamLedger`` per stream (``ledger(sid)``): the stream's tokens,
+sources, sampler logprobs, computed count and evictions. The agent loop reads the stream
+from it rather than asking the engine, and ``close`` turns it into the ``StreamRecord``
+the trainer replays."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 from kvstreams_sglang.engine import Engine, Generation, SamplingParams
-from trainer_masks import StreamRecord
+from trainer_masks import StreamLedger, StreamRecord
 
 
 class EngineClient(Protocol):
-    async def open(self, token_ids: list[int]) -> int: ...
+    async def open(self, stream: list[int] | StreamLedger) -> int:
+        """A new stream on these tokens (a ledger is adopted: e.g. ``StreamLedger.reopen``)."""
+        ...
+
+    def ledger(self, sid: int) -> StreamLedger: ...
 
     async def append(self, sid: int, token_ids: list[int], source: str = "env") -> None: ...
 
@@ -19,8 +28,6 @@ class EngineClient(Protocol):
     async def evict(self, sid: int, spans: list[tuple[int, int]]) -> int: ...
 
     async def prefill(self, sid: int) -> None: ...
-
-    async def live_tokens(self, sid: int) -> int: ...
 
     async def reprefill_streams(self, sids: list[int] | None = None) -> int:
         """Recompute the kept KV of ``sids`` (default: every open stream) under the current
@@ -43,8 +50,11 @@ class BuiltinClient:
     def policy_version(self) -> int:
         return self.engine.policy_version
 
-    async def open(self, token_ids):
-        return self.engine.open_stream(token_ids)
+    async def open(self, stream):
+        return self.engine.open_stream(stream)
+
+    def ledger(self, sid):
+        return self.engine.ledger(sid)
 
     async def append(self, sid, token_ids, source="env"):
         self.engine.append(sid, token_ids, source=source)
@@ -57,9 +67,6 @@ class BuiltinClient:
 
     async def prefill(self, sid):
         await self.engine.aprefill(sid)
-
-    async def live_tokens(self, sid):
-        return self.engine.live_tokens(sid)
 
     async def reprefill_streams(self, sids=None):
         # Synchronous on purpose: it runs between two scheduler steps of the engine's loop, so
