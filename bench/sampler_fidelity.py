@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from kvstreams_sglang.kv4.regions import protected_mask
+
 from .rollout_common import DATA
 
 ATTENTION = "kv4_fakequant"
@@ -77,7 +79,7 @@ def regions(fq: FakeQuant, rows: torch.Tensor, n: int) -> tuple[torch.Tensor, to
     if fq.mode == "kv8":
         return full, quant, torch.zeros_like(quant)
     end = torch.where(dec, q + 1, start)  # the engine's region split: end of the stream as the step sees it
-    protected = (p < fq.sink) | (p >= end - fq.recent)
+    protected = protected_mask(p, end, sink=fq.sink, recent=fq.recent)
     return full, quant & protected, quant & ~protected
 
 

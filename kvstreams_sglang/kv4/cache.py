@@ -88,8 +88,13 @@ class KV4LayerCache:
 
 
 def int4_bytes_per_vector(head_dim: int) -> int:
-    """Bytes one token-head K (or V) vector occupies in the INT4 region."""
+    """Bytes one token-head K (or V) vector occupies in the INT4 region: 4-bit codes + fp16 scale and offset."""
     return head_dim // 2 + 4
+
+
+def int8_bytes_per_vector(head_dim: int) -> int:
+    """Bytes one token-head K (or V) vector occupies in the INT8 side cache: 8-bit codes + an fp16 scale."""
+    return head_dim + 2
 
 
 def side_slot(row: int, position: int, *, sink: int, recent: int) -> int:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import torch
 
 
-def protected_mask(positions: torch.Tensor, end: int, *, sink: int, recent: int) -> torch.Tensor:
-    """Boolean mask over ``positions`` (kept logical positions): True = INT8 region."""
+def protected_mask(positions: torch.Tensor, end, *, sink: int, recent: int) -> torch.Tensor:
+    """Boolean mask over ``positions`` (kept logical positions): True = INT8 region. ``end``: the
+    sequence's next position (an int, or a tensor broadcasting against ``positions``). The one
+    definition of the rule; everything else calls it."""
     return (positions < sink) | (positions >= end - recent)
 
 
@@ -46,7 +48,7 @@ def region_lists(rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tenso
     ``slots[b, :]`` at logical ``positions[b, :]`` where ``valid``; ``end[b]`` is its next
     position. Returns ``kv_indptr/kv_indices`` (INT4 slots) and ``side_indptr/side_indices``
     (INT8 side slots of the protected positions)."""
-    protected = valid & ((positions < sink) | (positions >= end[:, None] - recent))
+    protected = valid & protected_mask(positions, end[:, None], sink=sink, recent=recent)
     kv_indptr, kv_indices = csr(valid & ~protected, slots)
     side_indptr, side_indices = csr(protected, side_slots_of(rows[:, None], positions, sink=sink, recent=recent))
     return dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr, side_indices=side_indices)
@@ -57,5 +59,5 @@ def new_side_slots(rows: torch.Tensor, positions: torch.Tensor, end_after: torch
     """Where newly computed tokens (``positions`` of sequences ``rows``, which end at
     ``end_after`` after this step; all ``[N]``) write their INT8 copy, -1 = none: sinks and
     the last ``recent`` positions written this step."""
-    keep8 = (positions < sink) | (positions >= end_after - recent)
+    keep8 = protected_mask(positions, end_after, sink=sink, recent=recent)
     return torch.where(keep8, side_slots_of(rows, positions, sink=sink, recent=recent), -1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kv4.cache import KV4LayerCache, side_slot
+from ..kv4.cache import KV4LayerCache, int4_bytes_per_vector, int8_bytes_per_vector, side_slot
 
 
 class FullPrecisionPool:
@@ -60,12 +60,12 @@ class KV4Pool:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """INT4 region: codes (4 bits/element) + fp16 scale and offset per token-head, K and V."""
-        return 2 * num_layers * num_kv_heads * (head_dim // 2 + 4)
+        return 2 * num_layers * num_kv_heads * int4_bytes_per_vector(head_dim)
 
     @staticmethod
     def side_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
         """INT8 side cache, per protected (sink or recent) position: codes + fp16 scale, K and V."""
-        return 2 * num_layers * num_kv_heads * (head_dim + 2)
+        return 2 * num_layers * num_kv_heads * int8_bytes_per_vector(head_dim)
 
     def side_slot(self, row: int, position: int) -> int:
         """Side slot a newly computed token at ``position`` writes its INT8 copy to."""
