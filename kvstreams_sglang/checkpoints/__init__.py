@@ -6,6 +6,6 @@ from a local path everywhere a model path is taken. Depends on nothing else of t
 """
 
 from .byte_tokenizer import build_byte_tokenizer
-from .tiny_model import build_tiny_model
+from .tiny_model import QWEN3_4B, ModelShape, build_tiny_model
 
-__all__ = ["build_byte_tokenizer", "build_tiny_model"]
+__all__ = ["QWEN3_4B", "ModelShape", "build_byte_tokenizer", "build_tiny_model"]
