@@ -1,0 +1,154 @@
+"""SGLang servers for the GPU benchmarks: one process per configuration, driven over HTTP.
+
+A ``Server`` starts ``python -m <module> --model-path M --port P <flags>`` in its own process group
+(stock ``sglang.launch_server`` or ours, ``kvstreams_sglang.launch_server``), logs to a file, waits
+for ``/health_generate``, and is stopped with its whole group. What a benchmark reads from it:
+``server_info()`` (SGLang's resolved arguments and the KV pool's ``max_total_num_tokens``), the
+scheduler's "Decode batch" log lines (running requests, KV tokens, whether the step ran a CUDA
+graph, the generation throughput of the last interval), and its own timed requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STOCK = "sglang.launch_server"
+OURS = "kvstreams_sglang.launch_server"
+# Every server: no grammar backend (the device's xgrammar is a stub), token ids in and out (the random
+# checkpoints' byte tokenizer cannot detokenize ids past 258), a decode log line every 10 steps.
+COMMON = ["--grammar-backend", "none", "--skip-tokenizer-init", "--decode-log-interval", "10"]
+
+_DECODE = re.compile(
+    r"Decode batch[^,]*,\s+#running-req:\s*(?P<running>\d+),\s+#token:\s*(?P<tokens>\d+),\s+"
+    r"token usage:\s*(?P<usage>[0-9.]+),.*?(?P<graph>cuda graph|graph[^:]*):\s*(?P<graph_on>True|False),\s+"
+    r"gen throughput \(token/s\):\s*(?P<thr>[0-9.]+)")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    name: str
+    module: str  # STOCK or OURS
+    flags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class DecodeLine:
+    running: int
+    tokens: int
+    usage: float
+    cuda_graph: bool
+    throughput: float  # generated tokens per second over the last log interval
+
+    @property
+    def ms_per_step(self) -> float:
+        """Each decode step generates one token per running request."""
+        return 1000.0 * self.running / self.throughput if self.throughput else float("nan")
+
+
+def decode_lines(text: str) -> list[DecodeLine]:
+    return [DecodeLine(int(m["running"]), int(m["tokens"]), float(m["usage"]), m["graph_on"] == "True",
+                       float(m["thr"])) for m in _DECODE.finditer(text)]
+
+
+@dataclass
+class Server:
+    config: ServerConfig
+    model_path: str
+    port: int
+    log_path: Path
+    flags: list[str] = field(default_factory=list)  # per-run flags (memory fraction, ...)
+    env: dict = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", self.config.module, "--model-path", self.model_path, "--port", str(self.port),
+                *COMMON, *self.config.flags, *self.flags]
+
+    def start(self, timeout_s: float = 900.0) -> Server:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "w")
+        log.write(" ".join(self.command()) + "\n")
+        log.flush()
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **self.env})
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.config.name}: server exited ({self.proc.returncode}) during start; "
+                                   f"last log lines:\n{self.tail()}")
+            try:
+                if self._get("/health_generate", timeout=5) is not None:
+                    return self
+            except OSError:
+                pass
+            time.sleep(2)
+        self.stop()
+        raise TimeoutError(f"{self.config.name}: not healthy after {timeout_s:.0f} s; last log lines:\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+
+    def __enter__(self) -> Server:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def _get(self, route: str, timeout: float = 30):
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + route, timeout=timeout) as r:
+            return json.loads(r.read() or b"null")
+
+    def post_sync(self, route: str, payload: dict, timeout: float = 600):
+        import urllib.request
+
+        req = urllib.request.Request(self.url + route, data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read() or b"null")
+
+    def server_info(self) -> dict:
+        return self._get("/server_info")
+
+
+async def post_many(url: str, route: str, payloads: list[dict], *, timeout_s: float = 1800) -> list[dict]:
+    """All ``payloads`` at once (one connection each), in order; raises on any non-200 answer."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s),
+                                     connector=aiohttp.TCPConnector(limit=0)) as http:
+        async def one(p):
+            async with http.post(url + route, json=p) as resp:
+                body = await resp.text()
+                if resp.status != 200:
+                    raise RuntimeError(f"{route} answered {resp.status}: {body[:500]}")
+                return json.loads(body)
+
+        return list(await asyncio.gather(*(one(p) for p in payloads)))
