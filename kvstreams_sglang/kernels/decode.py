@@ -497,8 +497,7 @@ class KV4DecodeWorkspace:
         lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else None
         ptrs = _cache_pointers(cache)
         self.last_kernel = "cuda"
-        if not (plan.cuda is not None and ptrs is not None and self._cuda_launch(q, cache, plan, ptrs, out, lse,
-                                                                                   sm_scale, rotate)):
+        if not (plan.cuda is not None and self._cuda_launch(q, cache, plan, ptrs, out, lse, sm_scale, rotate)):
             self.last_kernel = "triton"
             self._triton_launch(q, cache, plan, ptrs, out, lse, sm_scale, rotate)
         return (out, lse / LOG2E) if return_lse else out
@@ -521,7 +520,6 @@ class KV4DecodeWorkspace:
 
     def _cuda_launch(self, q, cache, plan, ptrs: CachePointers, out, lse, sm_scale: float, rotate: bool) -> bool:
         """Launch the CUDA kernel; False where it does not run here (then the Triton kernel does)."""
-        hkv = cache.num_kv_heads
         key = (ptrs, q.dtype, sm_scale, rotate, plan.cuda)
         launcher = self._launchers.get(key, False)
         if launcher is False:
@@ -534,7 +532,7 @@ class KV4DecodeWorkspace:
             bufs, step = hit[1], hit[2]
         else:
             bsz, hq, d = q.shape
-            bufs = self._buffers(plan, bsz, plan.cuda_splits.num, hq, hkv, d)
+            bufs = self._buffers(plan, bsz, plan.cuda_splits.num, hq, cache.num_kv_heads, d)
             step = StepPointers(plan.kv_indptr.data_ptr(), plan.kv_indices.data_ptr(), plan.side_indptr.data_ptr(),
                                 plan.side_indices.data_ptr(), bufs.part_out.data_ptr(), bufs.part_lse.data_ptr(),
                                 bufs.counters.data_ptr(), plan.cuda_splits.num, plan.cuda_splits.chunk, bsz)
@@ -552,7 +550,8 @@ class KV4DecodeWorkspace:
         hkv, d = cache.num_kv_heads, cache.head_dim
         if not decode_cuda.supported(q, hkv, q.shape[1] // hkv, d, plan.kv_indices):
             return None
-        if any(p % 16 for p in ptrs) or cache.k_side.dtype != torch.int8 or cache.k_side_scale.dtype != torch.float16:
+        if (any(p % 16 for p in ptrs) or not _contiguous(cache) or cache.k_side.dtype != torch.int8
+                or cache.k_side_scale.dtype != torch.float16):
             return None
         fkey = (q.dtype, hkv, q.device.index, plan.cuda)
         if fkey not in self._cuda_fns:
@@ -560,7 +559,7 @@ class KV4DecodeWorkspace:
         fn = self._cuda_fns[fkey]
         return None if fn is None else Launcher(fn, hkv, ptrs, sm_scale * LOG2E, FP16_MAGIC, rotate)
 
-    def _triton_launch(self, q, cache: KV4LayerCache, plan: DecodePlan, ptrs: CachePointers | None, out, lse,
+    def _triton_launch(self, q, cache: KV4LayerCache, plan: DecodePlan, ptrs: CachePointers, out, lse,
                        sm_scale: float, rotate: bool) -> None:
         bsz, hq, d = q.shape
         hkv = cache.num_kv_heads
@@ -580,7 +579,7 @@ class KV4DecodeWorkspace:
                        **({"maxnreg": tv.max_registers} if tv.max_registers else {}))
         grid = (hkv, splits.num + 1, bsz)
         key = None
-        if asm and ptrs is not None:
+        if asm and _contiguous(cache):
             head_ptrs = tuple(x.data_ptr() for x in head)
             tail_ptrs = tuple(x.data_ptr() for x in tail)
             if all(p % 16 == 0 for p in head_ptrs + tail_ptrs + ptrs):  # what Triton's first launch specialised on
@@ -608,14 +607,21 @@ class KV4DecodeWorkspace:
             self._compiled[key] = kernel
 
 
-def _cache_pointers(cache: KV4LayerCache) -> CachePointers | None:
-    """The cache's 8 kernel arguments as addresses, or None when one is not contiguous (the kernels' strides are
-    compile-time constants: then the Triton kernel runs on contiguous copies)."""
+def _cache_pointers(cache: KV4LayerCache) -> CachePointers:
+    """The cache's 8 kernel arguments as addresses (meta words: the fp16 pairs' address). Every call computes them
+    (a few hundred ns): they key the packed launches, so a layer cache is recognised by what the kernel reads."""
     c = cache
-    tensors = (c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale)
-    if not all(t.is_contiguous() for t in tensors):
-        return None
-    return CachePointers(*(t.data_ptr() for t in tensors))
+    return CachePointers(c.k_codes.data_ptr(), c.k_meta.data_ptr(), c.v_codes.data_ptr(), c.v_meta.data_ptr(),
+                         c.k_side.data_ptr(), c.k_side_scale.data_ptr(), c.v_side.data_ptr(),
+                         c.v_side_scale.data_ptr())
+
+
+def _contiguous(cache: KV4LayerCache) -> bool:
+    """The kernels' strides are compile-time constants: a cache with a strided tensor runs the Triton kernel on
+    contiguous copies."""
+    c = cache
+    return all(t.is_contiguous() for t in (c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale,
+                                           c.v_side, c.v_side_scale))
 
 
 def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, workspace: KV4DecodeWorkspace | None = None,
