@@ -580,6 +580,13 @@ def main():
     def save(rows):  # after every shape, so a run cut short still leaves its rows
         import triton
 
+        for row in rows:  # no FlashInfer here: the earlier table's FlashInfer time (same GPU model, another run)
+            fi = previous.get("rows", {}).get(row["shape"], {}).get("flashinfer_bf16_ms")
+            if "flashinfer_bf16_ms" not in row and fi:
+                for key in ("kv4_ms", "graph_plan_ms", "graph_replay_ms"):
+                    if key in row:
+                        row[key.replace("_ms", "_speedup_vs_previous_flashinfer")] = fi / row[key]
+
         result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                       host=platform.node(), rows=rows, previous=previous,
                       command="python -m bench.decode_attention" + (" --quick" if a.quick else "")

@@ -82,6 +82,25 @@ def test_decode_kernel_plan_reuse_across_layers(device):
             assert rel_l2(ws.run(q, cache), ref_out) <= 1e-3
 
 
+def test_plan_decode_cuda_split_rule():
+    """The CUDA kernel's split count for even lengths (v6 rule: >= 128 CTAs, at least 2; v7: >= 256 CTAs once a split
+    would exceed 4096 INT4 slots) and for uneven ones (v5: ~1056 CTAs, a power of two), with its split size."""
+    def plan(batch, length, lengths=None):
+        n4 = [x - 144 for x in (lengths or [length] * batch)]
+        indptr = torch.tensor([0, *torch.tensor(n4).cumsum(0).tolist()], dtype=torch.int32)
+        side = torch.arange(len(n4) + 1, dtype=torch.int32) * 144
+        return plan_decode(indptr, torch.zeros(sum(n4), dtype=torch.int32), side,
+                           torch.zeros(len(n4) * 144, dtype=torch.int32), num_kv_heads=8)
+
+    for (batch, length), splits in {(64, 2048): 2, (64, 8192): 2, (64, 16384): 4, (64, 32768): 4, (32, 32768): 8,
+                                    (32, 16384): 4, (128, 16384): 2, (32, 1024): 3}.items():
+        p = plan(batch, length)
+        assert p.cuda_splits.num == splits, (batch, length)
+        assert p.cuda_splits.chunk % 32 == 0 and p.cuda_splits.chunk * splits >= length - 144 > p.cuda_splits.chunk * (
+            splits - 1)
+    assert plan(64, 0, [16384] + [600] * 63).cuda_splits.num == 16  # uneven: 1056 / 64 -> 17 -> 16
+
+
 # ---- graph plans: split counts fixed by (batch, max context), each request's split size from its own length ----
 
 def test_graph_split_counts_depend_on_batch_and_max_context_only():
