@@ -426,7 +426,7 @@ class KV4DecodeWorkspace:
                                      + 1, cuda_split_count(b, max_context)) for b in range(1, max_bs + 1))
             self._graph = DecodeBuffers.empty(rows_parts, max_bs, num_q_heads, num_kv_heads, head_dim, self.device)
         self._cuda_fns: dict[tuple, CudaDecodeKernel | None] = {}
-        self._launchers: dict[tuple, Launcher | None] = {}  # (cache pointers, q dtype, scale, rotate, variant)
+        self._launchers: dict[tuple, Launcher | None] = {}  # (cache pointers, Hkv, q dtype, scale, rotate, variant)
         self._step: tuple | None = None  # (plan, buffers, StepPointers) of the last CUDA launch
         self._compiled: dict[tuple, object] = {}  # Triton specialisation key -> CompiledKernel (direct launch)
         self._direct = True  # cleared (for good) if the direct launch ever rejects its arguments
@@ -520,7 +520,7 @@ class KV4DecodeWorkspace:
 
     def _cuda_launch(self, q, cache, plan, ptrs: CachePointers, out, lse, sm_scale: float, rotate: bool) -> bool:
         """Launch the CUDA kernel; False where it does not run here (then the Triton kernel does)."""
-        key = (ptrs, q.dtype, sm_scale, rotate, plan.cuda)
+        key = (ptrs, cache.k_codes.shape[1], q.dtype, sm_scale, rotate, plan.cuda)  # what the packed launch bakes
         launcher = self._launchers.get(key, False)
         if launcher is False:
             launcher = self._launchers[key] = self._make_launcher(q, cache, plan, ptrs, sm_scale, rotate)
