@@ -3,7 +3,8 @@
 Page size 1 with shuffled slot indices, random data; bytes counted are those the
 kernel must read (INT4 codes + meta for the INT4 region, INT8 codes + scale for the
 144-position side region, slot indices, the query) and write (the output).
-Usage: ``python -m bench.decode_attention [--quick] [--out bench/results/x.json]``.
+Usage: ``python -m bench.decode_attention [--quick] [--graph] [--out bench/results/x.json]``; the one-command device
+check (GPU tests + eager vs graph vs FlashInfer at 128x8k, 64x2k, 64x4k) is ``bench/device/decode_check.sh``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import json
 import os
 import platform
+from typing import NamedTuple
 
 import torch
 
@@ -29,9 +31,10 @@ def bf16_bytes(lengths: list[int], hq: int, hkv: int, d: int) -> int:
     return sum(hkv * length * 2 * d * 2 + length * 4 + hq * d * 2 * 2 for length in lengths)
 
 
-def build_kv4_case(lengths, hq, hkv, d, sink, recent, device, seed=0, **plan_kw):
-    """A KV4 cache holding one request per entry of ``lengths`` at shuffled page-size-1 slots."""
-    from kvstreams_sglang.kernels import kv4_store, plan_decode
+def build_kv4_case(lengths, hq, hkv, d, sink, recent, device, seed=0):
+    """A KV4 cache holding one request per entry of ``lengths`` at shuffled page-size-1 slots, and the CSR lists
+    of both regions (``kv_indptr``, ``kv_indices``, ``side_indptr``, ``side_indices``)."""
+    from kvstreams_sglang.kernels import kv4_store
     from kvstreams_sglang.kv4 import KV4LayerCache, side_slot, split_regions
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -59,14 +62,13 @@ def build_kv4_case(lengths, hq, hkv, d, sink, recent, device, seed=0, **plan_kw)
     side_indptr = torch.tensor(n8s, device=device, dtype=torch.int32)
     kv_indices = torch.cat(kv_idx).to(torch.int32)
     side_indices = torch.cat(side_idx).to(torch.int32)
-    plan = plan_decode(kv_indptr, kv_indices, side_indptr, side_indices, num_kv_heads=hkv, **plan_kw)
-    return cache, plan, dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr,
-                             side_indices=side_indices)
+    return cache, dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr,
+                       side_indices=side_indices)
 
 
 def build_bf16_case(lengths, hkv, d, device, seed=1):
     """A BF16 paged cache (page size 1, shuffled slots): our kernel's plan and FlashInfer's CSR."""
-    from kvstreams_sglang.kernels import plan_decode
+    from kvstreams_sglang.kernels import TritonDecodeVariant, plan_decode
 
     g = torch.Generator(device=device).manual_seed(seed)
     total = sum(lengths)
@@ -75,8 +77,8 @@ def build_bf16_case(lengths, hkv, d, device, seed=1):
     indices = torch.randperm(total, device=device, generator=g).to(torch.int32)
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device=device, dtype=torch.int32)
     empty = torch.zeros_like(indptr)
-    plan = plan_decode(indptr, indices, empty, empty[:0], num_kv_heads=hkv, block_n=64, num_stages=2,
-                       target_programs=1024, min_chunk=64)
+    plan = plan_decode(indptr, indices, empty, empty[:0], num_kv_heads=hkv, target_programs=1024, min_chunk=64,
+                       triton_variant=TritonDecodeVariant(block_n=64, num_stages=2), cuda_variant=None)
     return k, v, plan, indptr, indices
 
 
@@ -101,79 +103,134 @@ def timed_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
-def parse_alts(text):
-    """``name:key=val,key=val;name:...`` -> [(name, {plan_decode kwargs}, {DecodePlan field overrides})]."""
-    fields = {"block_h", "max_registers", "cuda_min_blocks", "cuda_warps", "cuda_pipe", "cuda_tma", "cuda_fuse",
-              "cuda_issue", "cuda_early", "cuda_merge", "cuda_side_ctas", "cuda_ablate", "cuda_wgroups",
-              "cuda_wside"}
+TRITON_FIELDS = {"block_n", "num_warps", "num_stages", "prefetch", "block_h", "max_registers"}
+CUDA_FIELDS = {"warps", "min_blocks", "pipe"}
+PLAN_FIELDS = {"num_splits", "cuda_splits", "target_programs", "min_chunk"}
+
+
+class Alt(NamedTuple):
+    """A KV4 decode variant timed beside the shipped one: ``name:key=val,...`` (``parse_alts``)."""
+
+    name: str
+    triton: dict  # TritonDecodeVariant fields
+    cuda: dict | None  # CudaDecodeVariant fields; None: the Triton kernel only (``triton=1``)
+    plan: dict  # plan overrides (split counts)
+    graph: bool  # a graph plan (per-request split sizes), launched eagerly
+
+
+def parse_alts(text) -> list[Alt]:
+    """``name:key=val,key=val;name:...`` -> alts. Keys: ``triton=1`` (the Triton kernel only), ``graph=1`` (a graph
+    plan), TritonDecodeVariant fields (block_n, num_warps, num_stages, prefetch, block_h, max_registers),
+    CudaDecodeVariant fields (warps, min_blocks, pipe) and split counts (num_splits, cuda_splits)."""
     alts = []
     for part in filter(None, (text or "").split(";")):
         name, _, spec = part.partition(":")
-        kw, repl = {}, {}
+        tri, cu, plan, graph, only_triton = {}, {}, {}, False, False
         for item in filter(None, spec.split(",")):
             k, _, v = item.partition("=")
-            (repl if k in fields else kw)[k] = int(v)
-        alts.append((name, kw, repl))
+            if k == "triton":
+                only_triton = bool(int(v))
+            elif k == "graph":
+                graph = bool(int(v))
+            elif k in TRITON_FIELDS:
+                tri[k] = int(v)
+            elif k in CUDA_FIELDS:
+                cu[k] = int(v)
+            elif k in PLAN_FIELDS:
+                plan[k] = int(v)
+            else:
+                raise ValueError(f"--alts: unknown key {k!r}")
+        alts.append(Alt(name, tri, None if only_triton else cu, plan, graph))
     return alts
 
 
-def _uses_cuda(q, plan, hkv, group, d) -> bool:
-    """Whether ``kv4_decode`` runs this plan's INT4 region with the CUDA kernel (decode_cuda.py)."""
-    from kvstreams_sglang.kernels import decode
+def workspace(alt: Alt | None, batch, hq, hkv, d, max_context, device):
+    """A decode workspace running ``alt``'s variants (the shipped ones for None), graph-capable."""
+    from kvstreams_sglang.kernels import CudaDecodeVariant, KV4DecodeWorkspace, TritonDecodeVariant
 
-    return decode._cuda_kernel(q, plan, hkv, group, d, True) is not None
+    tri = TritonDecodeVariant(**(alt.triton if alt else {}))
+    cu = CudaDecodeVariant() if alt is None else None if alt.cuda is None else CudaDecodeVariant(**alt.cuda)
+    return KV4DecodeWorkspace(batch, hq, hkv, d, max_context=max_context, device=device, max_side=144,
+                              triton_variant=tri, cuda_variant=cu)
 
 
-def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=True, on_row=None, alts=()):
-    """``shapes``: (name, lengths) pairs. Times KV4 decode (query prep + both regions + merge),
-    our BF16 paged decode and FlashInfer's BF16 decode on the same shapes in one process.
-    ``alts`` (``parse_alts``): further KV4 plan variants, each checked against the reference and timed."""
-    import dataclasses
+def graph_replay(ws, q, cache):
+    """A CUDA graph of one layer's decode over the workspace's current (graph) plan, captured after a warm-up
+    launch; returns the replay function."""
+    ws.run(q, cache)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ws.run(q, cache)
+    return g.replay
 
-    from kvstreams_sglang.kernels import bf16_decode, kv4_decode, plan_decode
+
+def timed_decode(ws, plan, q, cache, ref=None):
+    """(ms, rel. error vs ``ref`` [first rows]) of ``ws`` over ``plan``; the check runs twice (the second call takes
+    the packed launch) and keeps the larger error."""
+    err = None
+    if ref is not None:
+        err = 0.0
+        for _ in range(2):
+            out = ws.decode(q.float(), cache, plan)[: ref.shape[0]]  # fp32 in and out: no bf16 output rounding
+            err = max(err, float((out - ref).norm() / ref.norm()))
+    return timed_ms(lambda: ws.decode(q, cache, plan)), err
+
+
+def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=True, on_row=None, alts=(),
+        graph=False, max_context=32768):
+    """``shapes``: (name, lengths) pairs. Times the shipped KV4 decode (query prep + both regions + merge, one launch
+    from a workspace with an eager plan), our BF16 paged decode and FlashInfer's BF16 decode on the same shapes in
+    one process. ``graph``: also the shipped kernel with a graph plan (split counts from the batch and
+    ``max_context``, per-request split sizes on the device), launched eagerly (``graph_plan_ms``) and as a captured
+    CUDA graph replay (``graph_replay_ms``). ``alts`` (``parse_alts``): further variants, each checked against the
+    reference and timed."""
+    from kvstreams_sglang.kernels import bf16_decode
     from kvstreams_sglang.kv4.reference import decode_reference
 
     device = torch.device("cuda")
     rows = []
     for name, lengths in shapes:
         batch = len(lengths)
-        cache, plan, meta = build_kv4_case(lengths, hq, hkv, d, sink, recent, device)
+        cache, meta = build_kv4_case(lengths, hq, hkv, d, sink, recent, device)
         q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
-        err = None
-        if check:
-            nb = min(batch, 4)
+        nb = min(batch, 4)
+        ref = None
+        if check:  # the first rows' reference
             sub = dict(kv_indptr=meta["kv_indptr"][: nb + 1], side_indptr=meta["side_indptr"][: nb + 1],
                        kv_indices=meta["kv_indices"], side_indices=meta["side_indices"])
             ref, _ = decode_reference(q[:nb].float(), cache, **sub)
-            err = 0.0
-            for _ in range(2):  # the second call takes the cached direct launch
-                out = kv4_decode(q.float(), cache, plan)[:nb]  # fp32 in and out: no bf16 output rounding
-                err = max(err, float((out - ref).norm() / ref.norm()))
-        ms = timed_ms(lambda q=q, c=cache, pl=plan: kv4_decode(q, c, pl))
-        alt_rows = {}
-        for aname, akw, arepl in alts:
-            try:
-                ap = dataclasses.replace(plan_decode(plan.kv_indptr, plan.kv_indices, plan.side_indptr,
-                                                     plan.side_indices, num_kv_heads=hkv, **akw), **arepl)
-                aerr = None
-                if check:
-                    aerr = 0.0
-                    for _ in range(2):
-                        out = kv4_decode(q.float(), cache, ap)[:nb]
-                        aerr = max(aerr, float((out - ref).norm() / ref.norm()))
-                ams = timed_ms(lambda q=q, c=cache, pl=ap: kv4_decode(q, c, pl))
-                acuda = _uses_cuda(q, ap, hkv, hq // hkv, d)
-                alt_rows[aname] = dict(ms=ams, rel_err_vs_ref=aerr, splits=ap.cuda_splits if acuda else ap.num_splits,
-                                       int4_kernel="cuda" if acuda else "triton")
-            except Exception as e:  # a variant may not compile or fit
-                alt_rows[aname] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
-        nbytes = kv4_bytes(lengths, hq, hkv, d, sink, recent)
-        cuda = _uses_cuda(q, plan, hkv, hq // hkv, d)
+
+        ws = workspace(None, batch, hq, hkv, d, max_context if graph else None, device)
+        plan = ws.plan(**meta)
+        ms, err = timed_decode(ws, plan, q, cache, ref)
+        kernel = ws.last_kernel
         row = dict(shape=name, batch=batch, max_length=max(lengths), mean_length=sum(lengths) / batch,
-                   splits=plan.cuda_splits if cuda else plan.num_splits, int4_kernel="cuda" if cuda else "triton",
-                   kv4_ms=ms, kv4_tb_s=nbytes / ms / 1e9, kv4_bytes=nbytes,
-                   bf16_bytes=bf16_bytes(lengths, hq, hkv, d), rel_err_vs_ref=err, alts=alt_rows)
-        cache = plan = meta = None
+                   splits=plan.cuda_splits.num if kernel == "cuda" else plan.splits.num, int4_kernel=kernel,
+                   kv4_ms=ms, rel_err_vs_ref=err)
+        if graph:
+            gplan = ws.plan(**meta, graph=True)
+            gms, gerr = timed_decode(ws, gplan, q, cache, ref)
+            replay = graph_replay(ws, q, cache)
+            row.update(graph_splits=gplan.cuda_splits.num if ws.last_kernel == "cuda" else gplan.splits.num,
+                       graph_kernel=ws.last_kernel, graph_plan_ms=gms, graph_rel_err_vs_ref=gerr,
+                       graph_replay_ms=timed_ms(replay), max_context=max_context)
+        alt_rows = {}
+        for alt in alts:
+            try:
+                aws = workspace(alt, batch, hq, hkv, d, max_context if alt.graph else None, device)
+                ap = aws.plan(**meta, graph=alt.graph, **{k: v for k, v in alt.plan.items()
+                                                          if k in ("num_splits", "cuda_splits")})
+                ams, aerr = timed_decode(aws, ap, q, cache, ref)
+                acuda = aws.last_kernel == "cuda"
+                alt_rows[alt.name] = dict(ms=ams, rel_err_vs_ref=aerr, splits=ap.cuda_splits.num if acuda
+                                          else ap.splits.num, int4_kernel=aws.last_kernel)
+            except Exception as e:  # a variant may not compile or fit
+                alt_rows[alt.name] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+        nbytes = kv4_bytes(lengths, hq, hkv, d, sink, recent)
+        row.update(kv4_tb_s=nbytes / ms / 1e9, kv4_bytes=nbytes, bf16_bytes=bf16_bytes(lengths, hq, hkv, d),
+                   alts=alt_rows)
+        cache = plan = meta = ws = None
         torch.cuda.empty_cache()
         if baselines:
             k, v, bplan, indptr, indices = build_bf16_case(lengths, hkv, d, device)
@@ -183,6 +240,9 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=
                 row["flashinfer_bf16_ms"] = timed_ms(fi)
                 row["flashinfer_tb_s"] = row["bf16_bytes"] / row["flashinfer_bf16_ms"] / 1e9
                 row["speedup_vs_flashinfer"] = row["flashinfer_bf16_ms"] / ms
+                for key in ("graph_plan_ms", "graph_replay_ms"):
+                    if key in row:
+                        row[key.replace("_ms", "_speedup_vs_flashinfer")] = row["flashinfer_bf16_ms"] / row[key]
             row["speedup_vs_ours_bf16"] = row["ours_bf16_ms"] / ms
             k = v = None
             torch.cuda.empty_cache()
@@ -190,7 +250,13 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=
         nan = float("nan")
         print(f"{name:>14s} B={batch:4d} kv4 {ms:7.4f} ms {row['kv4_tb_s']:5.2f} TB/s | ours-bf16 "
               f"{row.get('ours_bf16_ms', nan):7.4f} | flashinfer {row.get('flashinfer_bf16_ms', nan):7.4f} ms"
-              f" | x{row.get('speedup_vs_flashinfer', nan):.2f} vs FI  err={err} {row['int4_kernel']}", flush=True)
+              f" | x{row.get('speedup_vs_flashinfer', nan):.2f} vs FI  err={err} {row['int4_kernel']}"
+              f" splits={row['splits']}", flush=True)
+        if graph:
+            fi_ms = row.get("flashinfer_bf16_ms", nan)
+            print(f"{'':>14s}   graph plan {row['graph_plan_ms']:7.4f} ms x{fi_ms / row['graph_plan_ms']:.2f} | "
+                  f"replay {row['graph_replay_ms']:7.4f} ms x{fi_ms / row['graph_replay_ms']:.2f} vs FI  "
+                  f"err={row['graph_rel_err_vs_ref']} {row['graph_kernel']} splits={row['graph_splits']}", flush=True)
         for aname, ar in alt_rows.items():
             fi_ms = row.get("flashinfer_bf16_ms", nan)
             print(f"{'':>14s}   alt {aname:10s} " + (f"{ar['ms']:7.4f} ms x{fi_ms / ar['ms']:.2f} vs FI "
@@ -203,15 +269,14 @@ def run(shapes, hq=32, hkv=8, d=128, sink=16, recent=128, check=True, baselines=
 
 
 def sweep(batch, length, hq=32, hkv=8, d=128, sink=16, recent=128):
-    """Time launch configurations of the decode kernel on one shape (layout/tiling study)."""
-    import dataclasses
-
+    """Time launch configurations of the Triton decode kernel on one shape (layout/tiling study)."""
     import triton
 
-    from kvstreams_sglang.kernels import kv4_decode, plan_decode
+    from kvstreams_sglang.kernels import KV4DecodeWorkspace, TritonDecodeVariant, plan_decode
 
     device = torch.device("cuda")
-    cache, base, _ = build_kv4_case([length] * batch, hq, hkv, d, sink, recent, device)
+    cache, meta = build_kv4_case([length] * batch, hq, hkv, d, sink, recent, device)
+    ws = KV4DecodeWorkspace(batch, hq, hkv, d, device=device)
     q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
     nbytes = kv4_bytes([length] * batch, hq, hkv, d, sink, recent)
     rows = []
@@ -219,30 +284,29 @@ def sweep(batch, length, hq=32, hkv=8, d=128, sink=16, recent=128):
         for target in (512, 1024, 2048):
             for warps in (4, 8):
                 for stages in (1, 2, 3):
-                    plan = plan_decode(base.kv_indptr, base.kv_indices, base.side_indptr, base.side_indices,
-                                       num_kv_heads=hkv, block_n=block_n, target_programs=target,
-                                       num_warps=warps, num_stages=stages)
+                    tv = TritonDecodeVariant(block_n=block_n, num_warps=warps, num_stages=stages)
+                    plan = plan_decode(**meta, num_kv_heads=hkv, target_programs=target, triton_variant=tv,
+                                       cuda_variant=None)
                     try:
-                        ms = triton.testing.do_bench(lambda pl=plan: kv4_decode(q, cache, pl), warmup=25, rep=100,
+                        ms = triton.testing.do_bench(lambda pl=plan: ws.decode(q, cache, pl), warmup=25, rep=100,
                                                      return_mode="median")
                     except Exception as e:  # a config may not fit in shared memory
                         print("skip", block_n, target, warps, stages, type(e).__name__)
                         continue
-                    row = dict(batch=batch, length=length, ms=ms, tb_s=nbytes / ms / 1e9,
-                               **{k: v for k, v in dataclasses.asdict(plan).items() if isinstance(v, int)})
+                    row = dict(batch=batch, length=length, ms=ms, tb_s=nbytes / ms / 1e9, block_n=block_n,
+                               target=target, num_warps=warps, num_stages=stages, num_splits=plan.splits.num,
+                               chunk=plan.splits.chunk)
                     rows.append(row)
                     print(row, flush=True)
     return rows
 
 
 def variants(shapes, hq=32, hkv=8, d=128, sink=16, recent=128):
-    """Time decode-kernel variants (block, warps, prefetch, split target) on a few shapes, after a
+    """Time Triton decode-kernel variants (block, warps, prefetch, split target) on a few shapes, after a
     correctness check of each variant family against the torch reference; then the store kernel."""
-    import dataclasses
-
     import triton
 
-    from kvstreams_sglang.kernels import kv4_decode, plan_decode
+    from kvstreams_sglang.kernels import KV4DecodeWorkspace, TritonDecodeVariant, plan_decode
     from kvstreams_sglang.kv4.reference import decode_reference
 
     device = torch.device("cuda")
@@ -250,7 +314,8 @@ def variants(shapes, hq=32, hkv=8, d=128, sink=16, recent=128):
     configs = [(16, 128, 4, True, 1), (16, 128, 4, False, 2), (4, 128, 4, False, 2), (4, 128, 8, False, 1),
                (4, 128, 8, False, 3), (4, 64, 4, False, 3), (4, 64, 8, False, 3), (4, 128, 4, True, 1)]
     for batch, length in shapes:
-        cache, base, meta = build_kv4_case([length] * batch, hq, hkv, d, sink, recent, device)
+        cache, meta = build_kv4_case([length] * batch, hq, hkv, d, sink, recent, device)
+        ws = KV4DecodeWorkspace(batch, hq, hkv, d, device=device)
         q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
         nb = min(batch, 4)
         sub = dict(kv_indptr=meta["kv_indptr"][: nb + 1], side_indptr=meta["side_indptr"][: nb + 1],
@@ -260,30 +325,29 @@ def variants(shapes, hq=32, hkv=8, d=128, sink=16, recent=128):
         seen = set()
         for bh, bn, w, pf, st in configs:
             for target in ((2048, 8192) if batch * length >= 2 ** 17 else (2048,)):
-                plan = plan_decode(base.kv_indptr, base.kv_indices, base.side_indptr, base.side_indices,
-                                   num_kv_heads=hkv, block_n=bn, target_programs=target, num_warps=w,
-                                   num_stages=st, prefetch=pf)
-                plan = dataclasses.replace(plan, block_h=bh)
-                if (bh, bn, w, pf, st, plan.num_splits) in seen:
+                tv = TritonDecodeVariant(block_h=bh, block_n=bn, num_warps=w, num_stages=st, prefetch=pf)
+                plan = plan_decode(**meta, num_kv_heads=hkv, target_programs=target, triton_variant=tv,
+                                   cuda_variant=None)
+                if (bh, bn, w, pf, st, plan.splits.num) in seen:
                     continue
-                seen.add((bh, bn, w, pf, st, plan.num_splits))
+                seen.add((bh, bn, w, pf, st, plan.splits.num))
                 try:
-                    out, lse = kv4_decode(q.float(), cache, plan, return_lse=True)
+                    out, lse = ws.decode(q.float(), cache, plan, return_lse=True)
                     err = float((out[:nb] - ref).norm() / ref.norm())
                     lse_err = float((lse[:nb] - ref_lse).abs().max())
-                    ms = triton.testing.do_bench(lambda pl=plan, q=q, c=cache: kv4_decode(q, c, pl), warmup=25, rep=150,
-                                                 return_mode="median")
+                    ms = triton.testing.do_bench(lambda pl=plan, q=q, c=cache, w=ws: w.decode(q, c, pl), warmup=25,
+                                                 rep=150, return_mode="median")
                 except Exception as e:
                     print("fail", batch, length, bh, bn, w, pf, st, target, type(e).__name__, str(e)[:200], flush=True)
                     continue
                 row = dict(batch=batch, length=length, block_h=bh, block_n=bn, warps=w, prefetch=pf, stages=st,
                            target=target,
-                           splits=plan.num_splits, ms=ms, tb_s=nbytes / ms / 1e9, rel_err=err, lse_err=lse_err)
+                           splits=plan.splits.num, ms=ms, tb_s=nbytes / ms / 1e9, rel_err=err, lse_err=lse_err)
                 rows.append(row)
                 print(f"{batch:4d}x{length:<6d} bh={bh:2d} bn={bn:3d} w={w} pf={int(pf)} st={st} "
-                      f"splits={plan.num_splits:3d} {ms:8.4f} ms {row['tb_s']:5.2f} TB/s err={err:.1e} "
+                      f"splits={plan.splits.num:3d} {ms:8.4f} ms {row['tb_s']:5.2f} TB/s err={err:.1e} "
                       f"lse={lse_err:.1e}", flush=True)
-        cache = base = meta = None
+        cache = meta = ws = None
         torch.cuda.empty_cache()
     return rows
 
@@ -330,7 +394,7 @@ def store_bench(n=262144, hkv=8, d=128, out=None, check=True):
     for opts in (dict(WARPS=4, LDHINT=0), dict(WARPS=4), dict(LDHINT=0)):  # store_cuda.cu variants (v7 first: 4 x 4)
         fn = store_cuda.kernel(hkv, k.dtype, device, opts)
         if fn is None:
-            print("variant failed", store_cuda._STATE.get("errors"), flush=True)
+            print("variant failed", store_cuda.KERNEL.errors, flush=True)
             continue
         ms = triton.testing.do_bench(lambda fn=fn: store_cuda.store(fn, cache, k, v, slots, side, True),
                                      warmup=25, rep=200, return_mode="median")
@@ -369,7 +433,7 @@ def _extend_row(b, length, n, hq, hkv, d, device):
 
     from kvstreams_sglang.kernels import kv4_extend
 
-    cache, _, idx = build_kv4_case([length] * b, hq, hkv, d, 16, 128, device)
+    cache, idx = build_kv4_case([length] * b, hq, hkv, d, 16, 128, device)
     q = torch.randn(b * n, hq, d, device=device, dtype=torch.bfloat16)
     kn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
     vn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
@@ -412,22 +476,24 @@ def extend_bench(shapes=((1, 8192, 1024), (4, 4096, 512), (8, 2048, 256)), hq=32
 
 def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
     """Host time per call of the KV4 decode and its parts (launch-bound small shapes): back-to-back calls
-    without synchronisation, so the GPU never limits the host loop when the kernels are short."""
+    without synchronisation, so the GPU never limits the host loop when the kernels are short. ``kv4_graph_replay``:
+    one layer's decode replayed from a CUDA graph (what SGLang's captured decode pays per layer: nothing on the
+    host but the replay of the whole graph)."""
     import time
 
-    from kvstreams_sglang.kernels import kv4_decode, kv4_quantize_query
+    from kvstreams_sglang.kernels import kv4_quantize_query
 
     device = torch.device("cuda")
-    cache, plan, _ = build_kv4_case([length] * batch, hq, hkv, d, 16, 128, device)
+    cache, meta = build_kv4_case([length] * batch, hq, hkv, d, 16, 128, device)
     q = torch.randn(batch, hq, d, device=device, dtype=torch.bfloat16)
-    import dataclasses
-
-    tri, cu = dataclasses.replace(plan, cuda_int4=0), dataclasses.replace(plan, cuda_int4=1)
-    cu2 = dataclasses.replace(plan, cuda_int4=1, cuda_fuse=0)
-    parts = dict(kv4_decode=lambda: kv4_decode(q, cache, plan), kv4_triton=lambda: kv4_decode(q, cache, tri),
-                 kv4_cuda=lambda: kv4_decode(q, cache, cu), kv4_cuda_unfused=lambda: kv4_decode(q, cache, cu2),
-                 quantize_query=lambda: kv4_quantize_query(q),
-                 empty_alloc=lambda: torch.empty(batch, hq, plan.num_splits + 1, d, device=device))
+    ws, tri = workspace(None, batch, hq, hkv, d, 32768, device), workspace(Alt("tri", {}, None, {}, False), batch,
+                                                                           hq, hkv, d, None, device)
+    plan, tplan = ws.plan(**meta), tri.plan(**meta)
+    gws = workspace(None, batch, hq, hkv, d, 32768, device)
+    gws.plan(**meta, graph=True)
+    parts = dict(kv4_decode=lambda: ws.decode(q, cache, plan), kv4_triton=lambda: tri.decode(q, cache, tplan),
+                 kv4_graph_replay=graph_replay(gws, q, cache), quantize_query=lambda: kv4_quantize_query(q),
+                 empty_alloc=lambda: torch.empty(batch, hq, plan.splits.num + 1, d, device=device))
     rows = {}
     for name, fn in parts.items():
         for _ in range(20):
@@ -440,9 +506,8 @@ def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
         torch.cuda.synchronize()
         rows[name] = (t1 - t0) / iters * 1e6
         print(f"host {name:16s} {rows[name]:7.1f} us/call", flush=True)
-    from kvstreams_sglang.kernels import decode
-
-    print(f"direct launch active: {decode._FAST[0]}, cached kernels: {len(decode._LAUNCHED)}", flush=True)
+    print(f"kernels: {ws.last_kernel} (default), {tri.last_kernel} (tri); Triton direct launch active: "
+          f"{tri._direct}, cached: {len(tri._compiled)}", flush=True)
     return rows
 
 
@@ -456,8 +521,13 @@ def main():
     p.add_argument("--store", action="store_true", help="with --variants: also time the store kernel")
     p.add_argument("--store-only", action="store_true", help="time the store kernels (CUDA, Triton) and the copy")
     p.add_argument("--extend", action="store_true", help="time kv4_extend against FlashInfer's BF16 prefill")
-    p.add_argument("--alts", default=None, help="name:key=val,...;...: KV4 plan variants timed beside the default "
-                   "in the table (plan_decode kwargs, or block_h / max_registers)")
+    p.add_argument("--alts", default=None, help="name:key=val,...;...: KV4 decode variants timed beside the shipped "
+                   "kernel (parse_alts: triton=1, graph=1, Triton / CUDA variant fields, split counts)")
+    p.add_argument("--graph", action="store_true", help="also the shipped kernel with a graph plan: launched eagerly "
+                   "and replayed from a captured CUDA graph")
+    p.add_argument("--max-context", type=int, default=32768, help="the server's maximum context for graph plans")
+    p.add_argument("--previous", default="bench/results/decode_attention_h200.json",
+                   help="an earlier table: its rows for these shapes are recorded beside the new ones")
     p.add_argument("--shapes", default=None, help="B,L;B,L;...: table rows to run instead of the full grid")
     p.add_argument("--variants", default=None, help="B,L;B,L;...: time decode kernel variants, then the store kernel")
     a = p.parse_args()
@@ -499,14 +569,34 @@ def main():
         shapes = [(n, by_name[n]) for n in names]
     out = a.out or os.path.join(os.environ.get("OUT", "bench/results"), "decode_attention_h200.json")
 
+    previous = {}
+    if a.previous and os.path.exists(a.previous):
+        with open(a.previous) as f:
+            old = json.load(f)
+        keep = ("kv4_ms", "flashinfer_bf16_ms", "speedup_vs_flashinfer", "splits", "int4_kernel")
+        previous = dict(command=old.get("command"), rows={r["shape"]: {k: r.get(k) for k in keep}
+                                                          for r in old.get("rows", []) if r["shape"] in dict(shapes)})
+
     def save(rows):  # after every shape, so a run cut short still leaves its rows
-        result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, host=platform.node(), rows=rows,
+        import triton
+
+        for row in rows:  # no FlashInfer here: the earlier table's FlashInfer time (same GPU model, another run)
+            fi = previous.get("rows", {}).get(row["shape"], {}).get("flashinfer_bf16_ms")
+            if "flashinfer_bf16_ms" not in row and fi:
+                for key in ("kv4_ms", "graph_plan_ms", "graph_replay_ms"):
+                    if key in row:
+                        row[key.replace("_ms", "_speedup_vs_previous_flashinfer")] = fi / row[key]
+
+        result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                      host=platform.node(), rows=rows, previous=previous,
                       command="python -m bench.decode_attention" + (" --quick" if a.quick else "")
-                      + (f" --shapes '{a.shapes}'" if a.shapes else "") + (f" --alts '{a.alts}'" if a.alts else ""))
+                      + (f" --shapes '{a.shapes}'" if a.shapes else "") + (f" --alts '{a.alts}'" if a.alts else "")
+                      + (f" --graph --max-context {a.max_context}" if a.graph else ""))
         with open(out, "w") as f:
             json.dump(result, f, indent=1)
 
-    save(run(shapes, baselines=not a.no_baselines, on_row=save, alts=parse_alts(a.alts)))
+    save(run(shapes, baselines=not a.no_baselines, on_row=save, alts=parse_alts(a.alts), graph=a.graph,
+             max_context=a.max_context))
 
 
 if __name__ == "__main__":

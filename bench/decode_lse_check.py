@@ -1,9 +1,9 @@
-"""GPU diagnostic (v6): per-request LSE / output error of the CUDA decode kernel's variants against the torch
-reference, over repeated calls (a race shows as a changing error). ``python -m bench.decode_lse_check``."""
+"""GPU diagnostic (v6): per-request LSE / output error of the decode kernels (Triton; the CUDA kernel's variants,
+eager and graph plans) against the torch reference, over repeated calls (a race shows as a changing error).
+``python -m bench.decode_lse_check``."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
@@ -11,7 +11,7 @@ import torch
 sys.path.insert(0, "tests")
 from kv4_cases import filled_cache
 
-from kvstreams_sglang.kernels import kv4_decode, plan_decode
+from kvstreams_sglang.kernels import CudaDecodeVariant, KV4DecodeWorkspace, plan_decode
 from kvstreams_sglang.kv4.reference import decode_reference
 
 
@@ -20,18 +20,17 @@ def main():
     lengths, hkv = [300, 17, 1000, 5000], 8
     cache, meta, _ = filled_cache(lengths, hkv=hkv, seed=len(lengths) + hkv, device=device)
     torch.manual_seed(0)
-    variants = {"tri": dict(cuda_int4=0), "v5": dict(cuda_fuse=0, cuda_issue=0), "p2": {}, "p3": dict(cuda_pipe=3),
-                "p3i0": dict(cuda_pipe=3, cuda_issue=0), "p3f0": dict(cuda_pipe=3, cuda_fuse=0)}
+    variants = {"tri": (None, None), "p2": (CudaDecodeVariant(), None), "p3": (CudaDecodeVariant(pipe=3), None),
+                "reg": (CudaDecodeVariant(pipe=0), None), "graph": (CudaDecodeVariant(), 8192)}
     for dtype in (torch.bfloat16, torch.float32):
         q = torch.randn(len(lengths), 4 * hkv, 128, device=device).to(dtype)
         ref_out, ref_lse = decode_reference(q.float(), cache, **meta)
-        for name, v in variants.items():
-            base = plan_decode(**meta, num_kv_heads=hkv, cuda_int4=1, cuda_splits=3)
-            fields = {k: x for k, x in v.items() if k != "cuda_int4"}
-            plan = dataclasses.replace(base, **fields, **({"cuda_int4": v["cuda_int4"]} if "cuda_int4" in v else {}))
+        for name, (variant, max_context) in variants.items():
+            plan = plan_decode(**meta, num_kv_heads=hkv, cuda_splits=3, max_context=max_context, cuda_variant=variant)
+            ws = KV4DecodeWorkspace(len(lengths), 4 * hkv, hkv, 128, device=device)
             errs = []
             for _ in range(4):
-                out, lse = kv4_decode(q, cache, plan, return_lse=True)
+                out, lse = ws.decode(q, cache, plan, return_lse=True)
                 torch.cuda.synchronize()
                 d = (lse - ref_lse).abs()
                 tol = 1e-4 + 1e-4 * ref_lse.abs()

@@ -46,3 +46,29 @@ def filled_cache(lengths, *, hkv=2, d=128, sink=16, recent=128, seed=0, shuffle=
     cache = KV4LayerCache(**{name: t.to(device) for name, t in vars(cache).items()})
     meta = {name: t.to(device) for name, t in meta.items()}
     return cache, meta, [(k.to(device), v.to(device)) for k, v in raw]
+
+
+def tie_free_query(shape, *, seed: int, dtype=torch.float32, device="cpu", margin: float = 1e-4) -> torch.Tensor:
+    """A seeded random query whose INT8 codes do not depend on the summation order of its Hadamard rotation: in
+    float64, every rotated value lies at least ``margin`` code units from a rounding boundary and every row's
+    fp16 scale at least 1e-6 (relative) from an fp16 rounding boundary. The kernels rotate in fp32, each in its
+    own order (measured over 21M values: the CUDA kernel's butterflies <= 3e-5 code units off, a 64-term fp32 dot
+    <= 9e-5), the float64 reference exactly; a value within that of a boundary rounds to the next code in one of
+    them, and one such flip moves a long request's LSE by ~1e-3: a rounding tie, not what a kernel test checks.
+    Rows (query heads) are quantised independently, so a row that fails is drawn again."""
+    from kvstreams_sglang.kv4.hadamard import hadamard
+
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(*shape, generator=g).to(dtype).reshape(-1, shape[-1])
+    for _ in range(100):
+        x = hadamard(q.double())
+        amax = x.abs().amax(-1)
+        scale = (amax / 127).half()
+        r = x / scale.double()[:, None]
+        bad = ((r - torch.floor(r)) - 0.5).abs().amin(-1) <= margin
+        bad |= (amax * (1 - 1e-6) / 127).half() != scale
+        bad |= (amax * (1 + 1e-6) / 127).half() != scale
+        if not bad.any():
+            return q.reshape(shape).to(device)
+        q[bad] = torch.randn(int(bad.sum()), shape[-1], generator=g).to(dtype)
+    raise RuntimeError(f"tie_free_query: no query of shape {shape} found for seed {seed}")

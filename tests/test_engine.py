@@ -206,7 +206,7 @@ def test_kv4rl_cpu_reference_path_equals_the_triton_kernels(tiny_model_path, dev
     for impl in ("torch", "triton"):
         eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=1024, max_streams=4, recent=32,
                      dtype=torch.float32, device=device)
-        eng.backend = KV4Backend(eng.pool, impl=impl)
+        eng.backend = KV4Backend(eng.pool, impl=impl, num_q_heads=eng.runner.num_heads)
         sids = [eng.open_stream(list(range(30, 110))), eng.open_stream(list(range(40, 90)))]
         eng.generate_many([(s, SamplingParams(max_new_tokens=3, seed=i)) for i, s in enumerate(sids)])
         eng.append(sids[0], list(range(100, 110)))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from kv4_cases import rel_l2
 
-from kvstreams_sglang.kernels import bf16_decode, plan_decode
+from kvstreams_sglang.kernels import TritonDecodeVariant, bf16_decode, plan_decode
 from kvstreams_sglang.kv4.reference import full_precision_attention
 
 
@@ -16,7 +16,7 @@ def test_bf16_decode_matches_reference_at_shuffled_slots(lengths, hq, hkv, split
     indptr = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     empty = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
     plan = plan_decode(indptr, perm.to(torch.int32), empty, empty[:0], num_kv_heads=hkv, num_splits=splits,
-                       block_n=32)
+                       triton_variant=TritonDecodeVariant(block_n=32))
     q = torch.randn(len(lengths), hq, 128, device=device)
     out = bf16_decode(q, k_pool, v_pool, plan)
     for b in range(len(lengths)):

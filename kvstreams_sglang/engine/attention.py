@@ -21,7 +21,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from ..kernels import bf16_decode, plan_decode
+from ..kernels import KV4DecodeWorkspace, TritonDecodeVariant, bf16_decode, plan_decode
 from ..kernels.attend import kv4_attention_step
 from ..kernels.stream_attention import stream_attention
 from ..streams import FullPrecisionPool, KV4Pool, SlotTable
@@ -44,8 +44,9 @@ class FullPrecisionBackend:
         if mode == "decode" and torch.device(device).type == "cuda":
             # Paged Triton decode on the GPU; the gather + SDPA path stays the CPU reference.
             empty = torch.zeros_like(fb.kv_indptr)
-            fb.decode_plan = plan_decode(fb.kv_indptr, fb.kv_indices, empty, empty[:0], block_n=64, num_stages=2,
-                                         num_kv_heads=self.pool.k[0].shape[1])
+            fb.decode_plan = plan_decode(fb.kv_indptr, fb.kv_indices, empty, empty[:0],
+                                         num_kv_heads=self.pool.k[0].shape[1], cuda_variant=None,
+                                         triton_variant=TritonDecodeVariant(block_n=64, num_stages=2))
         return fb
 
     def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
@@ -67,12 +68,16 @@ class FullPrecisionBackend:
 
 class KV4Backend:
     """``impl``: ``"triton"`` (the kernels), ``"torch"`` (their references) or ``"auto"``:
-    the kernels on CUDA, the references elsewhere."""
+    the kernels on CUDA, the references elsewhere. The backend owns the decode kernels'
+    workspace (made at the first kernel decode step, on that step's device)."""
 
-    def __init__(self, pool: KV4Pool, impl: Literal["auto", "triton", "torch"] = "auto"):
+    def __init__(self, pool: KV4Pool, impl: Literal["auto", "triton", "torch"] = "auto", *, num_q_heads: int,
+                 max_streams: int = 1):
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
         self.pool, self.impl = pool, impl
+        self.num_q_heads, self.max_streams = num_q_heads, max_streams
+        self.decode_workspace: KV4DecodeWorkspace | None = None
 
     def _triton(self, device) -> bool:
         return self.impl == "triton" or (self.impl == "auto" and torch.device(device).type == "cuda")
@@ -80,14 +85,19 @@ class KV4Backend:
     def prepare(self, items: list[StepItem], mode, table: SlotTable, device) -> ForwardBatch:
         fb = build_kv4_batch(items, mode, table, self.pool, device)
         if mode == "decode" and self._triton(device):
-            fb.decode_plan = plan_decode(**fb.kv4, num_kv_heads=self.pool.layers[0].num_kv_heads)
+            if self.decode_workspace is None:
+                cache = self.pool.layers[0]
+                self.decode_workspace = KV4DecodeWorkspace(self.max_streams, self.num_q_heads, cache.num_kv_heads,
+                                                           cache.head_dim, device=device)
+            fb.decode_plan = self.decode_workspace.plan(**fb.kv4)
         return fb
 
     def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         # q [N, Hq, D], k/v [N, Hkv, D] -> out [N, Hq, D]
         return kv4_attention_step(self.pool.layers[layer], q, k, v, mode=fb.mode, qo_indptr=fb.qo_indptr,
                                   out_slots=fb.out_slots, side_slots=fb.side_slots, kv4=fb.kv4, sm_scale=scaling,
-                                  use_triton=self._triton(q.device), decode_plan=fb.decode_plan)
+                                  use_triton=self._triton(q.device), decode_plan=fb.decode_plan,
+                                  decode_workspace=self.decode_workspace)
 
 
 def kvstreams_attention(module, query, key, value, attention_mask, scaling=None, kv_batch=None, kv_backend=None,

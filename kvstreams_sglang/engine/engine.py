@@ -83,7 +83,7 @@ class Engine:
         if kv_dtype == "kv4rl":
             pool = KV4Pool(r.num_layers, max_tokens, max_streams, r.num_kv_heads, r.head_dim, sink=sink,
                            recent=recent, device=self.device)
-            self.backend = KV4Backend(pool)
+            self.backend = KV4Backend(pool, num_q_heads=r.num_heads, max_streams=max_streams)
         else:
             pool = FullPrecisionPool(r.num_layers, max_tokens, r.num_kv_heads, r.head_dim, dtype=r.dtype,
                                      device=self.device)

@@ -14,11 +14,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from .bf16_decode import bf16_decode
-from .decode import DecodePlan, kv4_decode, plan_decode
+from .decode import DecodePlan, KV4DecodeWorkspace, TritonDecodeVariant, kv4_decode, plan_decode
+from .decode_cuda import CudaDecodeVariant
 from .extend import kv4_extend
 from .quantize import kv4_quantize_query
 from .single_decode import single_decode
 from .store import kv4_store
 
-__all__ = ["DecodePlan", "bf16_decode", "kv4_decode", "kv4_extend", "kv4_quantize_query", "kv4_store", "plan_decode",
-           "single_decode"]
+__all__ = ["CudaDecodeVariant", "DecodePlan", "KV4DecodeWorkspace", "TritonDecodeVariant", "bf16_decode", "kv4_decode",
+           "kv4_extend", "kv4_quantize_query", "kv4_store", "plan_decode", "single_decode"]

@@ -15,7 +15,7 @@ import torch
 
 from ..kv4.cache import KV4LayerCache
 from ..kv4.reference import decode_reference, extend_reference, store_reference
-from .decode import kv4_decode
+from .decode import DecodePlan, KV4DecodeWorkspace, kv4_decode
 from .extend import kv4_extend
 from .store import kv4_store
 
@@ -23,11 +23,13 @@ from .store import kv4_store
 def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                        mode: Literal["extend", "decode"], qo_indptr: torch.Tensor, out_slots: torch.Tensor,
                        side_slots: torch.Tensor, kv4: dict, sm_scale: float, use_triton: bool,
-                       decode_plan=None) -> torch.Tensor:
+                       decode_plan: DecodePlan | None = None,
+                       decode_workspace: KV4DecodeWorkspace | None = None) -> torch.Tensor:
     """``q [N, Hq, D]``, ``k/v [N, Hkv, D]`` of the step's new tokens -> ``[N, Hq, D]``.
 
     ``kv4``: the region lists (``kv4.regions.region_lists``); ``decode_plan``: the kernels'
-    split plan (``kernels.plan_decode``), needed for a Triton decode."""
+    plan of the step (``KV4DecodeWorkspace.plan``), needed for a kernel decode, run in the
+    caller's ``decode_workspace`` (a throwaway one if None)."""
     if not use_triton:
         if mode == "decode":
             store_reference(cache, k, v, out_slots, side_slots)
@@ -37,7 +39,7 @@ def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v
         return out.to(q.dtype)
     if mode == "decode":
         kv4_store(cache, k, v, out_slots, side_slots)
-        return kv4_decode(q, cache, decode_plan, sm_scale=sm_scale)
+        return kv4_decode(q, cache, decode_plan, workspace=decode_workspace, sm_scale=sm_scale)
     out = kv4_extend(q, k, v, qo_indptr, cache, **kv4, sm_scale=sm_scale)
     kv4_store(cache, k, v, out_slots, side_slots)
     return out

@@ -66,21 +66,23 @@ def bf16_decode(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, pla
                 sm_scale: float | None = None) -> torch.Tensor:
     """``q [B, Hq, D]`` over ``k_pool, v_pool [S, Hkv, D]`` at the plan's INT4-list slots
     (here: all kept slots; the plan's side lists are ignored) -> ``out [B, Hq, D]``."""
+    if plan.splits.chunk <= 0:
+        raise ValueError("bf16_decode: needs an eager plan (one split size for all requests)")
     bsz, hq, d = q.shape
     hkv = k_pool.shape[1]
     group = hq // hkv
     sm_scale = sm_scale if sm_scale is not None else d ** -0.5
     q = q.to(k_pool.dtype)
-    parts = plan.num_splits
+    parts = plan.splits.num
     part_out = torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(bsz, hq, parts, dtype=torch.float32, device=q.device)
     _bf16_decode_kernel[(bsz, hkv, parts)](
         q, q.stride(0), q.stride(1), plan.kv_indptr, plan.kv_indices, k_pool, v_pool, k_pool.stride(0),
         k_pool.stride(1), part_out, part_lse, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), sm_scale * LOG2E, plan.chunk,
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=plan.block_n, D=d,
+        part_lse.stride(0), part_lse.stride(1), sm_scale * LOG2E, plan.splits.chunk,
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), BLOCK_N=plan.triton.block_n, D=d,
         DOT_PREC="ieee" if k_pool.dtype == torch.float32 else "tf32",
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        num_warps=plan.triton.num_warps, num_stages=plan.triton.num_stages,
     )
     out = torch.empty(bsz, hq, d, dtype=q.dtype, device=q.device)
     lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device)

@@ -11,6 +11,7 @@ import ctypes
 import glob
 import os
 import sys
+from typing import NamedTuple
 
 import torch
 
@@ -123,3 +124,37 @@ def launch(fn, grid, block, smem: int, stream: int, params) -> None:
     rc = libs()[1].cuLaunchKernel(fn, *grid, *block, smem, stream, params, None)
     if rc:
         raise RuntimeError(f"cuLaunchKernel failed: CUresult {rc}")
+
+
+class LoadedFunction(NamedTuple):
+    function: ctypes.c_void_p  # CUfunction
+    module: ctypes.c_void_p  # its CUmodule, kept referenced while the function is in use
+
+
+class RuntimeKernel:
+    """One ``__global__`` function of a ``.cu`` file, compiled by NVRTC and loaded on first use per (device,
+    defines): the kernel handle owns its compile cache, as a ``triton.jit`` function owns its own, so every caller
+    of one specialisation (each decode workspace, every ``kv4_store``) shares one loaded module instead of
+    compiling again. A failure is kept (``errors``) and not retried: the callers fall back to their Triton kernel."""
+
+    def __init__(self, src_path: str, name: bytes):
+        self.src_path, self.name = src_path, name
+        self.errors: list[str] = []
+        self._loaded: dict[tuple, LoadedFunction | None] = {}
+
+    def build(self, arch: tuple[int, int], defines: dict, *, with_log: bool = False):
+        """The cubin for compute capability ``arch`` (no GPU needed; ``with_log``: also ptxas's report)."""
+        return compile_cubin(self.src_path, arch, defines, with_log=with_log)
+
+    def load(self, device: torch.device, defines: dict, smem: int = 0) -> LoadedFunction | None:
+        """The function compiled with ``defines`` for ``device``'s architecture, loaded there (``smem``: its
+        dynamic shared memory), or None where NVRTC / libcuda are missing or the compilation failed."""
+        key = (str(device), tuple(sorted(defines.items())), smem)
+        if key not in self._loaded:
+            try:
+                cubin = self.build(torch.cuda.get_device_capability(device), defines)
+                self._loaded[key] = LoadedFunction(*load_function(cubin, self.name, device, smem))
+            except Exception as e:  # the caller falls back to its Triton kernel
+                self._loaded[key] = None
+                self.errors.append(f"{type(e).__name__}: {e}")
+        return self._loaded[key]

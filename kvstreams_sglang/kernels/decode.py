@@ -1,35 +1,47 @@
 """Decode kernel: split-KV (flash-decoding) attention over the INT4 region and the INT8
 side region of a page-size-1 KV4 cache, merged exactly by log-sum-exp.
 
-Shape of the API follows FlashInfer: ``plan_decode`` builds the per-step metadata once
-(index lists and the split size), ``kv4_decode`` runs one layer in one launch. Grid ``(Hkv,
-NUM_SPLITS + 1, B)``: programs ``split < NUM_SPLITS`` each stream one chunk of the request's
-INT4 slots, the last program of a (request, head) reads its INT8 side slots; all write a
-partial output and LSE, and the last of them to finish (a ticket counter) merges them. Each
-program rotates and INT8-quantises its own query rows first. One program serves all
-``GROUP = Hq / Hkv`` query heads of its KV head, so each KV byte is read once (GQA).
+Shape of the API follows FlashInfer: a ``KV4DecodeWorkspace`` owns what the kernels write
+besides the output (partial outputs and LSEs of the splits, ticket counters, the Hadamard
+block, per-layer launch arguments, and for CUDA graphs static copies of the index lists);
+``ws.plan(...)`` builds the per-step metadata once (a ``DecodePlan``: index lists and the
+split layout), ``ws.run(q, cache)`` runs one layer in one launch. ``kv4_decode(q, cache,
+plan)`` is the plain function over a plan (a throwaway workspace unless one is given).
+
+Triton kernel: grid ``(Hkv, NUM_SPLITS + 1, B)``: programs ``split < NUM_SPLITS`` each stream
+one chunk of the request's INT4 slots, the last program of a (request, head) reads its INT8
+side slots; all write a partial output and LSE, and the last of them to finish (a ticket
+counter) merges them. Each program rotates and INT8-quantises its own query rows first. One
+program serves all ``GROUP = Hq / Hkv`` query heads of its KV head, so each KV byte is read
+once (GQA).
 
 Why the arithmetic looks like this (KV4-RL): the query is INT8 (rotated into the keys'
 Hadamard basis), keys are INT4 codes ``c`` with per-vector ``scale, offset``, so
 ``q.k ~ s_q (scale (q8 . c) + offset sum(q8))``: the dot is an exact integer dot on the
 tensor cores and the affine correction is two FMAs per score. Values: ``P V =
-(P * scale_v) c_v + (P . offset_v)``, an fp16 dot on codes plus a per-row sum; PV
+(P * scale_v) c_v + (P . offset_v)``, an fp16 dot plus a per-row sum; PV
 accumulates in fp32. Reference: ``kv4.reference.decode_reference``.
 
-On an H100/H200 the step can instead run as the CUDA kernel of ``decode_cuda.cu`` (one CTA per (split, request)
-over all KV heads, all reductions inside a warp, a bulk-copy ring in shared memory; bench/NOTES.md v5, v6):
-``kv4_decode`` takes it where the plan selects it (``cuda_int4``; by default always when fused, ``cuda_fuse``) and
-it compiled. Fused (v6 default), that one launch also does the INT8 side region (a share per split CTA) and the
-merge; unfused (v5), this kernel follows in its ``SIDE_MERGE`` mode for the side region and the merge (then the
-CUDA kernel is taken from ``CUDA_AUTO_MIN_TOKEN_HEADS`` INT4 token-heads per step on). Everywhere else (CPU
-interpreter, other shapes or dtypes) this kernel does it all.
+On an H100/H200 the step runs as the CUDA kernel of ``decode_cuda.cu`` instead (one CTA per
+(split, request) over all KV heads, all reductions inside a warp, a bulk-copy ring in shared
+memory, the side region and the merge in the same launch; bench/NOTES.md v5-v7) wherever the
+plan has a ``CudaDecodeVariant`` and the shapes fit; everywhere else (CPU interpreter, other
+shapes or dtypes) this Triton kernel does it.
+
+Split sizes: an eager plan sizes every split by the step's longest INT4 list (one host sync in
+``plan_decode``). A graph plan (``ws.plan(..., graph=True)``) fixes the split count from the
+batch size and the server's maximum context, and both kernels size each request's splits from
+its own length on the device (``chunk <= 0``): a captured CUDA graph replays fixed grids and
+scalar arguments while lengths and slots change every step.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -38,7 +50,10 @@ from triton import knobs
 from triton.runtime import driver
 
 from ..kv4.cache import KV4LayerCache
-from .quantize import device_hadamard, int8_codes, rotate_halves_sylvester
+from ..kv4.hadamard import hadamard_matrix
+from . import decode_cuda
+from .decode_cuda import CachePointers, CudaDecodeKernel, CudaDecodeVariant, Launcher, StepPointers
+from .quantize import int8_codes, rotate_halves_sylvester
 from .tiles import int4_load_w, int4_math_w, int8_tile
 
 LOG2E = 1.4426950408889634
@@ -61,7 +76,7 @@ def _decode_kernel(
     sm_scale_log2, chunk, magic,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HALF: tl.constexpr,
     NUM_SPLITS: tl.constexpr, PREFETCH: tl.constexpr, USE_ASM: tl.constexpr, OFF64: tl.constexpr,
-    ROTATE: tl.constexpr, SIDE_MERGE: tl.constexpr,
+    ROTATE: tl.constexpr,
 ):
     # Grid (Hkv, splits + 1, B): the KV heads of one (request, split) are neighbours in launch order, so
     # they walk the same slots together and the 32-byte sector holding all heads' meta words of a slot
@@ -82,10 +97,8 @@ def _decode_kernel(
     stride_sh: tl.constexpr = 2 * HALF
     stride_scs: tl.constexpr = HKV
     stride_sch: tl.constexpr = 1
-    # SIDE_MERGE (grid (Hkv, 1, B), launched after the CUDA INT4 kernel of decode_cuda.py on the same stream):
-    # each program is the side-region part of its (request, KV head) and merges all parts itself, no ticket.
     hk = tl.program_id(0)
-    split = tl.program_id(1) + NUM_SPLITS * SIDE_MERGE
+    split = tl.program_id(1)
     b = tl.program_id(2)
     num_hkv = HKV
     hrow = tl.arange(0, BLOCK_H)
@@ -110,8 +123,12 @@ def _decode_kernel(
         # ---- INT4 region: one chunk of the request's slots ----
         start = tl.load(KvIndptr + b)
         length = tl.load(KvIndptr + b + 1) - start
-        lo = split * chunk
-        hi = tl.minimum(lo + chunk, length)
+        # chunk <= 0: this request's own split size (a graph plan: the grid and the arguments are fixed, the
+        # lengths are read here), ceil(length / NUM_SPLITS) rounded up to a tile
+        per_request = tl.cdiv(tl.cdiv(length, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        chunk_b = tl.where(chunk > 0, chunk, per_request)
+        lo = split * chunk_b
+        hi = tl.minimum(lo + chunk_b, length)
         q_sum = (tl.sum(q_lo.to(tl.int32), 1) + tl.sum(q_hi.to(tl.int32), 1)).to(tl.float32)
         qs = sq * sm_scale_log2
         acc_off = tl.zeros([BLOCK_H], tl.float32)
@@ -171,13 +188,10 @@ def _decode_kernel(
     # Ticket: the barrier orders every thread's partial stores before the (gpu-scope, acq_rel) atomic;
     # the program that draws the last ticket sees all parts of its (request, KV head) and merges them.
     tl.debug_barrier()
-    if SIDE_MERGE:
+    ticket = tl.atomic_add(Counter + b * num_hkv + hk, 1, sem="acq_rel", scope="gpu")
+    if ticket == PARTS - 1:
         _merge_parts(PartOut, PartLse, Out, LseOut, row, hmask, d, PARTS, BLOCK_H, HALF)
-    else:
-        ticket = tl.atomic_add(Counter + b * num_hkv + hk, 1, sem="acq_rel", scope="gpu")
-        if ticket == PARTS - 1:
-            _merge_parts(PartOut, PartLse, Out, LseOut, row, hmask, d, PARTS, BLOCK_H, HALF)
-            tl.atomic_xchg(Counter + b * num_hkv + hk, 0)  # ready for the next step's launch
+        tl.atomic_xchg(Counter + b * num_hkv + hk, 0)  # ready for the next step's launch
 
 
 @triton.jit
@@ -232,19 +246,6 @@ def _merge_kernel(
     tl.store(LseOut + b * stride_lob + h, tl.where(total > 0, m + tl.log2(denom), float("-inf")))
 
 
-_COUNTERS: dict = {}
-
-
-def ticket_counters(n: int, device: torch.device) -> torch.Tensor:
-    """Zeroed int32 ticket counters, one per (request, KV head); the merging program resets its own,
-    so the buffer stays zero between launches (one stream at a time per device)."""
-    key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-        _COUNTERS[key] = buf
-    return buf
-
 
 def use_asm(device: torch.device) -> bool:
     """Inline PTX (the word-wide nibble unpack) on a CUDA device; the interpreter has none."""
@@ -259,272 +260,377 @@ def meta_words(meta: torch.Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class TritonDecodeVariant:
+    """Launch configuration of the Triton decode kernel (the CPU-tested path and the fallback). Defaults from the
+    H200 sweeps (bench/NOTES.md v3, v4): 64-slot tiles, 4 warps, 3 stages of Triton's async copies (no hand-written
+    prefetch), 4 query-head rows per program, a 96-register cap (5 programs per SM, no spills)."""
+
+    block_n: int = 64  # INT4 slots per tile; split sizes are multiples of it
+    num_warps: int = 4
+    num_stages: int = 3
+    prefetch: bool = False  # software-pipeline the INT4 loop (tile i+1's loads before tile i's math)
+    block_h: int = 4  # query-head rows per program (raised to GROUP's next power of two)
+    max_registers: int | None = 96  # ptxas cap (the kernel is latency bound: a 5th program per SM pays)
+
+
+TRITON_DEFAULT = TritonDecodeVariant()
+CUDA_SHIPPED = CudaDecodeVariant()  # the v7 kernel
+
+
+class Splits(NamedTuple):
+    """How a kernel splits each request's INT4 list."""
+
+    num: int  # splits per request (the Triton kernel's NUM_SPLITS, the CUDA kernel's grid y)
+    chunk: int  # INT4 slots per split; 0: each request's own, ceil(len / num) rounded up to a tile, on the device
+
+
+@dataclass(frozen=True)
 class DecodePlan:
-    """Per-step decode metadata: CSR index lists of both regions and the split layout."""
+    """Per-step decode metadata: CSR index lists of both regions and each kernel's split layout."""
 
     kv_indptr: torch.Tensor  # [B+1] int32, INT4 region
     kv_indices: torch.Tensor  # [nnz4] slot ids
     side_indptr: torch.Tensor  # [B+1] int32, INT8 region
     side_indices: torch.Tensor  # [nnz8] side slot ids
-    num_splits: int
-    chunk: int  # INT4 slots per split, a multiple of block_n
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 3
-    prefetch: bool = False  # software-pipeline the INT4 loop (tile i+1's loads before tile i's math)
-    block_h: int = 4  # query-head rows per program (raised to GROUP's next power of two); was 16 in v2
-    # ptxas cap: 96 fits 5 programs of 4 warps per SM (128 fitted 4) with no spills in the INT4 loop at d=128;
-    # the kernel is latency bound, so the 5th program pays (H200: 24 of 26 table shapes faster, v4 in NOTES.md)
-    max_registers: int | None = 96
-    # INT4 region by the CUDA kernel (decode_cuda.py; GPU only, d=128, GQA group 4): -1 auto (taken where it won
-    # on the H200, see cuda_auto_min_tokens), 0 never, 1 whenever supported. Its own split layout: one CTA per
-    # (split, request) over all KV heads, cuda_splits INT4 splits of cuda_chunk slots (a multiple of 32).
-    cuda_int4: int = -1
-    cuda_splits: int = 1
-    cuda_chunk: int = 32
-    cuda_min_blocks: int = 2  # __launch_bounds__ min CTAs per SM (2 of 8 warps: 128 registers, no spills)
-    cuda_warps: int = 8  # KV heads (warps) per CTA, 0: all
-    cuda_tma: int = 1  # 1: the ring is one per CTA, filled by bulk copies (cp.async.bulk, mbarriers); needs cuda_pipe
-    cuda_pipe: int = 2  # 0: next tile prefetched into registers; S >= 2: S-stage cp.async ring in shared memory
-    cuda_fuse: int = 1  # 1: the CUDA kernel also does the INT8 side region and the merge (one launch per step, v6)
-    cuda_issue: int = 1  # bulk-copy producers: 1 uniform-operand code copies + cp.async meta (v6), 0 as v5
-    cuda_early: int = 0  # 1: the ring's stages (all of them) issued at kernel start, before the query and side (v7)
-    cuda_merge: int = 0  # 1: the merging CTA reads the splits' parts in one pass (v7)
-    cuda_side_ctas: int = 0  # fused: S > 0 more CTAs per request take the INT8 side region alone (v7); 0 split shares
-    cuda_wgroups: int = 1  # fused: warps per KV head; 2: CTAs of 16 warps, one per SM, alternate tiles (v8)
-    cuda_wside: int = 0  # with cuda_wgroups 2: group 0 streams the INT4 region, group 1 the side share beside it (v8)
-    cuda_ablate: int = 0  # bench attribution only (decode_cuda.cu ABLATE: parts of the work left out, wrong results)
-    int4_tokens: int = 0  # INT4 slots of the step (kv_indices' length), for the auto choice
-    # Per-step host state the launcher fills on first use (workspaces, the per-layer launch arguments): not
-    # part of the plan's identity, and ``dataclasses.replace`` starts a new one.
-    _host: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    splits: Splits  # the Triton kernel's (its parts: splits + the side region's)
+    cuda_splits: Splits  # the CUDA kernel's (its parts: the splits; each takes a share of the side region)
+    triton: TritonDecodeVariant = TRITON_DEFAULT
+    cuda: CudaDecodeVariant | None = CUDA_SHIPPED  # None: the Triton kernel only
+    graph: bool = False  # a workspace's graph plan: its lists are the workspace's static buffers
 
     @property
     def batch_size(self) -> int:
         return self.kv_indptr.numel() - 1
 
 
+def triton_split_count(batch: int, max_len: int, num_kv_heads: int, *, target_programs: int = 2048,
+                       min_chunk: int = 256, block_n: int = 64) -> int:
+    """Enough splits to give ``target_programs`` programs (several waves on a 132-SM H200) without splits shorter
+    than ``min_chunk`` slots (a pipelined loop of one or two tiles is mostly prologue), rounded down to a power of
+    two: it is a compile-time constant of the kernel, and an engine whose batch and lengths change every step
+    would otherwise compile a variant for each value."""
+    want = max(1, math.ceil(target_programs / max(1, batch * num_kv_heads)))
+    num = max(1, min(want, max_len // max(min_chunk, block_n)))
+    return 1 << (num.bit_length() - 1)
+
+
+def cuda_split_count(batch: int, max_len: int, *, even: bool = True) -> int:
+    """The CUDA kernel's splits per request (CTAs of all KV heads, up to 2 per SM on the H200's 132 SMs).
+    Even lengths (v6 split sweep, bench/NOTES.md): the fewest splits that give >= 128 CTAs, at least 2 (one CTA per
+    SM pulls the bandwidth; fewer, longer CTAs pay less prologue, ring fill and merge), raised to >= 256 CTAs once a
+    split would exceed 4096 INT4 slots (v7: 64x16k, 64x32k, 32x32k 10-13% faster); splits of >= 256 slots.
+    Uneven lengths (v5): a split is sized by the longest request, so more, shorter ones balance the SMs: ~1056 CTAs,
+    rounded down to a power of two."""
+    if even:
+        want = max(2, math.ceil(128 / max(1, batch)))
+        if max_len / want > 4096:
+            want = max(want, math.ceil(256 / max(1, batch)))
+        return max(1, min(want, max_len // 256))
+    num = max(1, min(math.ceil(1056 / max(1, batch)), max_len // 256))
+    return 1 << (num.bit_length() - 1)
+
+
 def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: torch.Tensor,
-                side_indices: torch.Tensor, *, num_kv_heads: int, num_splits: int | None = None,
-                block_n: int = 64, target_programs: int = 2048, num_warps: int = 4, num_stages: int = 3,
-                prefetch: bool = False, min_chunk: int = 256, cuda_int4: int = -1, cuda_target_ctas: int | None = None,
-                cuda_min_chunk: int = 256, cuda_splits: int | None = None, cuda_rule: int = 7,
-                cuda_side: int = 0) -> DecodePlan:
-    """Build the decode metadata once per step (one host sync for the longest INT4 list).
+                side_indices: torch.Tensor, *, num_kv_heads: int, max_context: int | None = None,
+                num_splits: int | None = None, cuda_splits: int | None = None, target_programs: int = 2048,
+                min_chunk: int = 256, triton_variant: TritonDecodeVariant = TRITON_DEFAULT,
+                cuda_variant: CudaDecodeVariant | None = CUDA_SHIPPED) -> DecodePlan:
+    """Build the decode metadata once per step.
 
-    ``num_splits`` defaults to enough splits to give ``target_programs`` programs (several
-    waves on a 132-SM H200) without splits shorter than ``min_chunk`` slots (a pipelined loop of
-    one or two tiles is mostly prologue), rounded down to a power of two: it is a compile-time
-    constant of the kernel, and an engine whose batch and lengths change every step would
-    otherwise compile a variant for each value. Launch defaults from the H200 variant sweep
-    (bench/results/decode_variants_v3_h200.json): 64-slot tiles, 4 warps, 3 pipeline stages of
-    Triton's async copies (no hand-written prefetch), 4 query-head rows per program (``kv4_decode``).
-    CUDA kernel (bench/NOTES.md v6, bench/NOTES.md v7 decode): ``cuda_rule`` picks its split rule for even lengths
-    (6: v6; 7, default: 2 CTAs per SM once a split would exceed 4096 slots; 8: wherever splits keep >= 2000 slots);
-    ``cuda_side`` its side-region CTAs per request (0: none, the split CTAs take shares; -1: auto; k: k).
-    """
-    lengths = kv_indptr[1:] - kv_indptr[:-1]
-    max_len = int(lengths.max()) if lengths.numel() else 0
+    Eager (``max_context`` None): split counts from the step's longest INT4 list (one host sync) and every split
+    sized by it (``triton_split_count``, ``cuda_split_count``). With ``max_context`` (the longest INT4 list any
+    request can have): no host sync, split counts from the batch size and ``max_context`` alone, and per-request
+    split sizes computed by the kernels (``Splits.chunk`` 0): a plan a CUDA graph can replay. ``num_splits`` /
+    ``cuda_splits`` override the counts (tests, bench). ``cuda_variant`` None: the Triton kernel only."""
     batch = kv_indptr.numel() - 1
-    if num_splits is None:
-        want = max(1, math.ceil(target_programs / max(1, batch * num_kv_heads)))
-        num_splits = max(1, min(want, max_len // max(min_chunk, block_n)))
-        num_splits = 1 << (num_splits.bit_length() - 1)
-    chunk = triton.cdiv(triton.cdiv(max(max_len, 1), num_splits), block_n) * block_n
-    if cuda_splits is None:  # CUDA kernel: CTAs of all KV heads, up to 2 per SM (132 SMs on the H200)
-        if cuda_target_ctas is None and kv_indices.numel() >= 0.75 * batch * max_len:
-            # even lengths (v6 split sweep, bench/NOTES.md): the fewest splits that give >= 128 CTAs, at least 2
-            # (at most one CTA per SM pulls the bandwidth; fewer, longer CTAs pay less prologue, ring fill, merge)
-            want = max(2, math.ceil(128 / max(1, batch)))
-            more = max(want, math.ceil(256 / max(1, batch)))
-            if (cuda_rule == 7 and max_len / want > 4096) or (cuda_rule >= 8 and max_len / more >= 2000):
-                # v7: long requests of a small batch: 2 CTAs per SM (>= 256 CTAs) once a split would exceed 4096 INT4
-                # slots (64x16k, 64x32k, 32x32k: 10-13% faster, bench/NOTES.md v7 decode). Rule 8: wherever the
-                # splits keep >= 2000 slots (also 32x16k: 9% faster measured; 64x8k not measured)
-                want = more
-            cuda_splits = max(1, min(want, max_len // cuda_min_chunk))
-        else:  # uneven lengths: a split is sized by the longest request, more, shorter ones balance the SMs (v5)
-            cuda_target_ctas = cuda_target_ctas or 1056
-            cuda_splits = max(1, min(math.ceil(cuda_target_ctas / max(1, batch)), max_len // cuda_min_chunk))
-            cuda_splits = 1 << (cuda_splits.bit_length() - 1)
-    cuda_chunk = triton.cdiv(triton.cdiv(max(max_len, 1), cuda_splits), 32) * 32
-    if cuda_side < 0:  # auto (v7): one side CTA per request where all CTAs are resident at once (2 per SM)
-        sms = torch.cuda.get_device_properties(kv_indptr.device).multi_processor_count if kv_indptr.is_cuda else 132
-        cuda_side = 1 if (cuda_splits + 1) * batch <= 2 * sms and side_indices.numel() else 0
+    per_request = max_context is not None
+    if per_request:  # the graph rule: the even-length rule at the longest length a request can have
+        max_len, even = max_context, True
+    else:
+        lengths = kv_indptr[1:] - kv_indptr[:-1]
+        max_len = int(lengths.max()) if lengths.numel() else 0
+        even = kv_indices.numel() >= 0.75 * batch * max_len
+    num_splits = num_splits or triton_split_count(batch, max_len, num_kv_heads, target_programs=target_programs,
+                                                  min_chunk=min_chunk, block_n=triton_variant.block_n)
+    cuda_splits = cuda_splits or cuda_split_count(batch, max_len, even=even)
+
+    def chunk(num: int, tile: int) -> int:
+        return 0 if per_request else _cdiv(_cdiv(max(max_len, 1), num), tile) * tile
+
     return DecodePlan(kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
-                      num_splits, chunk, block_n, num_warps, num_stages, prefetch, cuda_int4=cuda_int4,
-                      cuda_splits=cuda_splits, cuda_chunk=cuda_chunk, int4_tokens=kv_indices.numel(),
-                      cuda_side_ctas=cuda_side)
+                      Splits(num_splits, chunk(num_splits, triton_variant.block_n)),
+                      Splits(cuda_splits, chunk(cuda_splits, decode_cuda.TILE)), triton_variant, cuda_variant)
 
 
-_LAUNCHED: dict = {}  # specialisation key -> Triton CompiledKernel (see _launch_decode)
-_FAST = [True]  # cleared (for good) if the direct launch ever rejects its arguments
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
-def _launch_decode(grid, args, ptrs, constexprs, options, key):
-    """Launch ``_decode_kernel``; after the first launch of a specialisation, straight through the compiled
-    kernel's launcher. Triton's ``kernel[grid](...)`` re-binds and re-specialises all 32 arguments on every
-    call, and its launcher asks the driver about every tensor argument (``cuPointerGetAttribute``): tens of
-    microseconds of host time per launch, which bound the small decode shapes. The direct launch passes the
-    pointers as integers (``ptrs``: device allocations, the same addresses the driver would return).
-    ``key`` holds everything Triton specialises on (argument dtypes, constexprs, launch options, the integer
-    argument ``chunk``'s divisibility); the caller passes a key only when every pointer is 16-byte aligned,
-    which the first launch then also saw: the cached kernel is the one Triton would pick."""
-    kernel = _LAUNCHED.get(key) if key is not None and _FAST[0] else None
-    if kernel is not None and knobs.runtime.launch_enter_hook is None:
-        try:
-            stream = driver.active.get_current_stream(args[0].device.index)
-            kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None, *ptrs(),
-                       *args[len(args) - 3:], *constexprs.values())
-            return
-        except (TypeError, ValueError, AttributeError):  # the launcher's argument parsing: Triton's own path
-            _LAUNCHED.clear()
-            _FAST[0] = False
-            key = None
-    kernel = _decode_kernel[grid](*args, **constexprs, **options)
-    if key is not None and _FAST[0] and kernel is not None and hasattr(kernel, "packed_metadata"):
-        if list(constexprs) != _decode_kernel.arg_names[len(args):]:
-            raise AssertionError("kv4_decode: constexprs out of the kernel's parameter order")
-        _LAUNCHED[key] = kernel
+class DecodeBuffers(NamedTuple):
+    """What the kernels write besides the output, flat (the kernels compute their own offsets)."""
+
+    part_out: torch.Tensor  # >= B * Hq * parts * D fp32: each split's normalised partial output
+    part_lse: torch.Tensor  # >= B * Hq * parts fp32: its log2-domain LSE (-inf: empty)
+    lse: torch.Tensor  # >= B * Hq fp32: the final LSE when the caller does not ask for it
+    counters: torch.Tensor  # >= B * Hkv int32 tickets; zero between launches (the merging program resets its own)
+
+    @classmethod
+    def empty(cls, rows_parts: int, rows: int, hq: int, hkv: int, d: int, device) -> DecodeBuffers:
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(rows_parts * hq * d, **f32), torch.empty(rows_parts * hq, **f32),
+                   torch.empty(rows * hq, **f32), torch.zeros(rows * hkv, dtype=torch.int32, device=device))
+
+    def fits(self, bsz: int, parts: int, hq: int, hkv: int, d: int) -> bool:
+        return (self.part_lse.numel() >= bsz * parts * hq and self.part_out.numel() >= bsz * parts * hq * d
+                and self.lse.numel() >= bsz * hq and self.counters.numel() >= bsz * hkv)
 
 
-def _cache_args(cache: KV4LayerCache, plan: DecodePlan) -> tuple:
-    """The cache's 8 kernel arguments (meta as 32-bit words, contiguous), made once per (plan, layer)."""
-    c = cache
-    tensors = (c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale)
-    key = ("cache", *map(id, tensors))  # the entry holds the tensors, so their ids stay unique
-    hit = plan._host.get(key)
-    if hit is None:
-        k_w, v_w = meta_words(c.k_meta), meta_words(c.v_meta)
-        t = tuple(x if x.is_contiguous() else x.contiguous()  # strides are compile-time constants of the kernel
-                  for x in (c.k_codes, k_w, c.v_codes, v_w, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale))
-        off64 = c.k_codes.numel() > 2**31 or k_w.numel() > 2**31  # offsets < numel
-        ptrs = tuple(x.data_ptr() for x in t)
-        hit = plan._host[key] = (t, off64, all(p % 16 == 0 for p in ptrs), ptrs, tensors)
-    return hit
+class KV4DecodeWorkspace:
+    """Everything the KV4 decode kernels need besides the query, the layer cache and the output, owned by whoever
+    makes it (the attention backend, the engine, a benchmark; FlashInfer's wrapper shape): the splits' partial
+    outputs and LSEs, the ticket counters, the Hadamard block of the Triton kernel's query rotation, the per-layer
+    launch arguments (packed once per layer cache) and the Triton direct-launch handles.
 
+    Eager use: ``plan(...)`` once per step (today's split rule; the lists are used as given), ``run(q, cache)`` per
+    layer. CUDA graphs (``max_context`` given): ``plan(..., graph=True, batch_size=bs)`` copies the lists into
+    static buffers of fixed capacity (``max_bs + 1`` indptr entries, ``max_bs * max_context`` INT4 slot ids,
+    ``max_bs * max_side`` side slot ids) and fixes the split counts from (bs, ``max_context``); ``run`` under a
+    capture then records launches whose grids and scalar arguments do not change between replays, reading
+    everything that changes (the lists, each request's split size) from device memory. Call ``plan(graph=True)``
+    eagerly before every replay, and run once eagerly before capturing (the first run compiles the kernels).
+    Static buffers (and graph-plan partial buffers) are allocated once here and never moved; eager partial buffers
+    grow as needed. One step at a time per workspace (the launches of the layers share the partial buffers, in
+    stream order)."""
 
-def _workspace(plan: DecodePlan, bsz: int, hq: int, hkv: int, d: int, device) -> tuple:
-    """Partial outputs / LSEs of the splits and a scratch LSE, shared by the layers of one step (launches on
-    one stream run in order, and each launch consumes its partials before it ends)."""
-    key = ("ws", bsz, hq, hkv, d, str(device))
-    hit = plan._host.get(key)
-    if hit is None:
-        parts = plan.num_splits * plan.cuda_wgroups + max(1, plan.cuda_side_ctas)  # + the side region's part(s)
-        ws = (torch.empty(bsz, hq, parts, d, dtype=torch.float32, device=device),
-              torch.empty(bsz, hq, parts, dtype=torch.float32, device=device),
-              torch.empty(bsz, hq, dtype=torch.float32, device=device),
-              device_hadamard(d, device), ticket_counters(bsz * hkv, device))
-        part_out, part_lse, lse, hmat, counters = ws
-        # The counters buffer is kept here even if a later, larger batch replaces it in ``ticket_counters``:
-        # it stays zero between launches (each merge resets its own counter).
-        head = tuple(x.data_ptr() for x in (hmat, plan.kv_indptr, plan.kv_indices, plan.side_indptr,
-                                            plan.side_indices))
-        tail = tuple(x.data_ptr() for x in (part_out, part_lse, counters))
-        hit = plan._host[key] = (*ws, head, tail, all(p % 16 == 0 for p in head + tail + (lse.data_ptr(),)))
-    return hit
+    def __init__(self, max_bs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                 max_context: int | None = None, device="cuda", *, max_side: int | None = None,
+                 triton_variant: TritonDecodeVariant = TRITON_DEFAULT,
+                 cuda_variant: CudaDecodeVariant | None = CUDA_SHIPPED):
+        if num_q_heads % num_kv_heads:
+            raise ValueError(f"KV4DecodeWorkspace: Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+        self.max_bs, self.num_q_heads, self.num_kv_heads, self.head_dim = max_bs, num_q_heads, num_kv_heads, head_dim
+        self.max_context, self.device = max_context, torch.device(device)
+        self.triton_variant, self.cuda_variant = triton_variant, cuda_variant  # what its plans run
+        self.hadamard = hadamard_matrix(head_dim, device=self.device)  # fp32, the Triton kernel's rotation block
+        self.current_plan: DecodePlan | None = None
+        self.last_kernel = ""  # "cuda" or "triton": which kernel the last call ran (bench, tests)
+        self._eager: DecodeBuffers | None = None  # grown on demand
+        self._graph: DecodeBuffers | None = None
+        self._static: tuple[torch.Tensor, ...] | None = None  # kv_indptr, kv_indices, side_indptr, side_indices
+        if max_context is not None:
+            i32 = dict(dtype=torch.int32, device=self.device)
+            side = max_side if max_side is not None else max_context
+            self._static = (torch.zeros(max_bs + 1, **i32), torch.zeros(max(1, max_bs * max_context), **i32),
+                            torch.zeros(max_bs + 1, **i32), torch.zeros(max(1, max_bs * side), **i32))
+            rows_parts = max(b * max(triton_split_count(b, max_context, num_kv_heads, block_n=triton_variant.block_n)
+                                     + 1, cuda_split_count(b, max_context)) for b in range(1, max_bs + 1))
+            self._graph = DecodeBuffers.empty(rows_parts, max_bs, num_q_heads, num_kv_heads, head_dim, self.device)
+        self._cuda_fns: dict[tuple, CudaDecodeKernel | None] = {}
+        self._launchers: dict[tuple, Launcher | None] = {}  # (cache pointers, Hkv, q dtype, scale, rotate, variant)
+        self._step: tuple | None = None  # (plan, buffers, StepPointers) of the last CUDA launch
+        self._compiled: dict[tuple, object] = {}  # Triton specialisation key -> CompiledKernel (direct launch)
+        self._direct = True  # cleared (for good) if the direct launch ever rejects its arguments
 
+    # ---- plan: once per step ----
 
-# Auto choice of the unfused CUDA INT4 kernel (two launches): from this many INT4 token-heads per step on (H200 table,
-# v5 in NOTES.md). The fused kernel (one launch, ~24 us host time) is taken at every size (v6).
-CUDA_AUTO_MIN_TOKEN_HEADS = 1 << 19
+    def plan(self, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: torch.Tensor,
+             side_indices: torch.Tensor, *, batch_size: int | None = None, graph: bool = False,
+             num_splits: int | None = None, cuda_splits: int | None = None) -> DecodePlan:
+        """The step's plan (also kept as ``current_plan`` for ``run``). Eager: ``plan_decode`` over the given lists.
+        ``graph``: the lists are copied into the static buffers (rows past ``kv_indptr``'s, up to ``batch_size``,
+        get empty lists: their output is 0), no host sync; ``batch_size`` is the captured batch (default: the
+        lists' own) and at most ``max_bs``."""
+        if not graph:
+            plan = plan_decode(kv_indptr, kv_indices, side_indptr, side_indices, num_kv_heads=self.num_kv_heads,
+                               num_splits=num_splits, cuda_splits=cuda_splits, triton_variant=self.triton_variant,
+                               cuda_variant=self.cuda_variant)
+        else:
+            plan = self._graph_plan(kv_indptr, kv_indices, side_indptr, side_indices, batch_size, num_splits,
+                                    cuda_splits)
+        self.current_plan = plan
+        return plan
 
+    def _graph_plan(self, kv_indptr, kv_indices, side_indptr, side_indices, batch_size, num_splits, cuda_splits):
+        if self._static is None:
+            raise ValueError("KV4DecodeWorkspace: a graph plan needs max_context (static buffers)")
+        rows = kv_indptr.numel() - 1
+        bs = rows if batch_size is None else batch_size
+        if not rows <= bs <= self.max_bs:
+            raise ValueError(f"KV4DecodeWorkspace: {rows} requests in a graph batch of {bs} (max_bs {self.max_bs})")
+        s_indptr, s_indices, s_side_indptr, s_side_indices = self._static
+        if kv_indices.numel() > s_indices.numel() or side_indices.numel() > s_side_indices.numel():
+            raise ValueError(f"KV4DecodeWorkspace: {kv_indices.numel()} INT4 / {side_indices.numel()} side slots do "
+                             f"not fit the static buffers ({s_indices.numel()} / {s_side_indices.numel()})")
+        for src, dst in ((kv_indptr, s_indptr), (side_indptr, s_side_indptr)):
+            dst[: rows + 1].copy_(src)
+            if bs > rows:  # padding rows: empty lists
+                dst[rows + 1: bs + 1].copy_(src[rows:].expand(bs - rows))
+        s_indices[: kv_indices.numel()].copy_(kv_indices)
+        s_side_indices[: side_indices.numel()].copy_(side_indices)
+        plan = plan_decode(s_indptr[: bs + 1], s_indices, s_side_indptr[: bs + 1], s_side_indices,
+                           num_kv_heads=self.num_kv_heads, max_context=self.max_context, num_splits=num_splits,
+                           cuda_splits=cuda_splits, triton_variant=self.triton_variant, cuda_variant=self.cuda_variant)
+        return dataclasses.replace(plan, graph=True)
 
-def _cuda_plan(plan: DecodePlan) -> DecodePlan:
-    """The plan with the CUDA kernel's split layout (the Triton side/merge launch and the workspaces follow it)."""
-    hit = plan._host.get("cuda_plan")
-    if hit is None:
-        import dataclasses
+    # ---- run: once per layer ----
 
-        hit = plan._host["cuda_plan"] = dataclasses.replace(plan, num_splits=plan.cuda_splits,
-                                                            chunk=plan.cuda_chunk, cuda_int4=0)
-    return hit
+    def run(self, q: torch.Tensor, cache: KV4LayerCache, sm_scale: float | None = None, *, rotate: bool = True,
+            return_lse: bool = False):
+        """One layer over ``current_plan`` (``kv4_decode``'s arguments and result)."""
+        if self.current_plan is None:
+            raise RuntimeError("KV4DecodeWorkspace.run before plan")
+        return self.decode(q, cache, self.current_plan, sm_scale=sm_scale, rotate=rotate, return_lse=return_lse)
 
-
-def cuda_options(plan: DecodePlan) -> dict:
-    """The plan's CUDA kernel options, as ``decode_cuda.kernel`` / ``decode_cuda.variant`` take them."""
-    return dict(min_blocks=plan.cuda_min_blocks, warps=plan.cuda_warps, pipe=plan.cuda_pipe, tma=plan.cuda_tma,
-                fuse=plan.cuda_fuse, issue=plan.cuda_issue, early=plan.cuda_early, merge=plan.cuda_merge,
-                side=plan.cuda_side_ctas, ablate=plan.cuda_ablate, wgroups=plan.cuda_wgroups, wside=plan.cuda_wside)
-
-
-def _cuda_kernel(q: torch.Tensor, plan: DecodePlan, hkv: int, group: int, d: int, rotate: bool):
-    """The CUDA INT4 kernel when the plan selects it and it runs here, else None (Triton kernel). Decided once
-    per (plan, query dtype and device, shape)."""
-    if plan.cuda_int4 == 0 or q.device.type != "cuda":
-        return None
-    key = ("cuda_fn", q.dtype, q.device.index, hkv, group, d)
-    if key in plan._host:
-        return plan._host[key]
-    fn = None
-    if plan.cuda_int4 > 0 or plan.cuda_fuse or plan.int4_tokens * hkv >= CUDA_AUTO_MIN_TOKEN_HEADS:
-        from . import decode_cuda
-
-        if decode_cuda.supported(q, hkv, group, d, plan.kv_indices):
-            fn = decode_cuda.kernel(hkv, q.dtype, q.device, **cuda_options(plan))
-    plan._host[key] = fn
-    return fn
-
-
-def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_scale: float | None = None,
+    def decode(self, q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, sm_scale: float | None = None,
                rotate: bool = True, return_lse: bool = False):
-    """One decode step of one layer: ``q [B, Hq, D]`` -> ``out [B, Hq, D]`` (q's dtype, fp32
-    for fp64 input); with ``return_lse`` also the natural-log LSE ``[B, Hq]``.
-    Where the plan selects it (``cuda_int4``) and it is available, the CUDA kernel of ``decode_cuda.py`` runs the
-    INT4 region, and with ``cuda_fuse`` (default) also the INT8 side region and the merge in the same launch;
-    unfused, the Triton kernel adds the INT8 side region and merges (two launches)."""
-    bsz, hq, d = q.shape
-    hkv = cache.num_kv_heads
-    if hq % hkv or d != cache.head_dim or bsz != plan.batch_size:
-        raise ValueError(f"kv4_decode: q {tuple(q.shape)} does not fit cache Hkv={hkv}, D={cache.head_dim} "
-                         f"and plan batch {plan.batch_size}")
-    group = hq // hkv
-    sm_scale = sm_scale if sm_scale is not None else d ** -0.5
-    q = q.contiguous()
-    cuda_fn = _cuda_kernel(q, plan, hkv, group, d, rotate)
-    for cand in ((_cuda_plan(plan), plan) if cuda_fn is not None else (plan,)):
-        t, off64, cache_aligned, cache_ptrs, _ = _cache_args(cache, cand)
-        part_out, part_lse, lse_ws, hmat, counters, head, tail, plan_aligned = _workspace(cand, bsz, hq, hkv, d,
-                                                                                          q.device)
-        if cuda_fn is None or (cache_aligned and plan_aligned and q.data_ptr() % 16 == 0 and (
-                not cuda_fn[4] or (t[4].dtype == torch.int8 and t[5].dtype == torch.float16
-                                   and cand.side_indices.dtype == torch.int32))):
-            break
-        cuda_fn = None  # the CUDA kernel's vector loads need 16-byte aligned tensors: the Triton kernel instead
-    plan = cand
-    out_dtype = torch.float32 if q.dtype == torch.float64 else q.dtype
-    out = torch.empty(bsz, hq, d, dtype=out_dtype, device=q.device)
-    lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else lse_ws
-    q_ptr = q.data_ptr()
-    if cuda_fn is not None:
-        lkey = ("cuda_launch", cache_ptrs, id(cuda_fn), sm_scale, rotate)
-        launcher = plan._host.get(lkey)
-        if launcher is None:
-            from . import decode_cuda
+        """``q [B, Hq, D]`` -> ``out [B, Hq, D]`` (q's dtype, fp32 for fp64 input); with ``return_lse`` also the
+        natural-log LSE ``[B, Hq]``. The CUDA kernel where the plan has a variant and the shapes fit, else the
+        Triton kernel."""
+        bsz, hq, d = q.shape
+        hkv = cache.num_kv_heads
+        if hq % hkv or d != cache.head_dim or bsz != plan.batch_size:
+            raise ValueError(f"kv4_decode: q {tuple(q.shape)} does not fit cache Hkv={hkv}, D={cache.head_dim} "
+                             f"and plan batch {plan.batch_size}")
+        sm_scale = sm_scale if sm_scale is not None else d ** -0.5
+        q = q.contiguous()
+        out = torch.empty(bsz, hq, d, dtype=torch.float32 if q.dtype == torch.float64 else q.dtype, device=q.device)
+        lse = torch.empty(bsz, hq, dtype=torch.float32, device=q.device) if return_lse else None
+        ptrs = _cache_pointers(cache)
+        self.last_kernel = "cuda"
+        if not (plan.cuda is not None and self._cuda_launch(q, cache, plan, ptrs, out, lse, sm_scale, rotate)):
+            self.last_kernel = "triton"
+            self._triton_launch(q, cache, plan, ptrs, out, lse, sm_scale, rotate)
+        return (out, lse / LOG2E) if return_lse else out
 
-            launcher = plan._host[lkey] = decode_cuda.Launcher(
-                cuda_fn, (plan.num_splits + cuda_fn[5], bsz), hkv,
-                (q_ptr, head[1], head[2], *cache_ptrs[:4], tail[0], tail[1], head[3], head[4], *cache_ptrs[4:],
-                 tail[2], 0, 0), plan.chunk,
-                plan.num_splits * cuda_fn[6] + cuda_fn[5] if cuda_fn[4] else plan.num_splits + 1, sm_scale * LOG2E,
-                FP16_MAGIC, rotate)
-        launcher(q_ptr, driver.active.get_current_stream(q.device.index), out.data_ptr(), lse.data_ptr())
-        if cuda_fn[4]:  # fused: side region and merge done in the same launch
-            return (out, lse / LOG2E) if return_lse else out
-    asm = use_asm(q.device)
-    args = (q, hmat, plan.kv_indptr, plan.kv_indices, plan.side_indptr, plan.side_indices, *t, part_out, part_lse,
-            counters, out, lse, sm_scale * LOG2E, plan.chunk, FP16_MAGIC)
-    constexprs = dict(  # in the kernel's parameter order (the direct launch passes them positionally)
-        HKV=hkv, GROUP=group, BLOCK_H=max(plan.block_h, triton.next_power_of_2(group)), BLOCK_N=plan.block_n,
-        HALF=d // 2, NUM_SPLITS=plan.num_splits, PREFETCH=plan.prefetch, USE_ASM=asm, OFF64=off64, ROTATE=rotate,
-        SIDE_MERGE=cuda_fn is not None)
-    options = dict(num_warps=plan.num_warps, num_stages=plan.num_stages,
-                   **({"maxnreg": plan.max_registers} if plan.max_registers else {}))
-    key = None
-    if asm and cache_aligned and plan_aligned and q_ptr % 16 == 0:  # out and a fresh lse: new allocations
-        key = (q.device.index, q.dtype, out_dtype, plan.kv_indices.dtype, plan.side_indices.dtype, plan.chunk % 16,
-               plan.chunk == 1, *constexprs.values(), *options.items())
-    _launch_decode((hkv, 1 if cuda_fn is not None else plan.num_splits + 1, bsz), args,
-                   lambda: (q_ptr, *head, *cache_ptrs, *tail, out.data_ptr(), lse.data_ptr()),
-                   constexprs, options, key)
-    return (out, lse / LOG2E) if return_lse else out
+    def _buffers(self, plan: DecodePlan, bsz: int, parts: int, hq: int, hkv: int, d: int) -> DecodeBuffers:
+        """A graph plan's partial buffers are the static ones (a captured launch keeps their addresses); an eager
+        plan's grow on demand."""
+        if plan.graph and self._graph is not None:
+            if not self._graph.fits(bsz, parts, hq, hkv, d):
+                raise ValueError(f"KV4DecodeWorkspace: a graph plan of {bsz} x {parts} parts x {hq} heads does not fit "
+                                 f"the static buffers (max_bs {self.max_bs}, Hq {self.num_q_heads})")
+            return self._graph
+        if self._eager is None or not self._eager.fits(bsz, parts, hq, hkv, d):
+            old = self._eager
+            grow = (lambda n, m: max(n, m + m // 2)) if old is not None else (lambda n, m: n)
+            rows = grow(bsz, old.lse.numel() // hq if old is not None else 0)
+            rows_parts = grow(bsz * parts, old.part_lse.numel() // hq if old is not None else 0)
+            self._eager = DecodeBuffers.empty(rows_parts, max(rows, self.max_bs), hq, hkv, d, self.device)
+        return self._eager
+
+    def _cuda_launch(self, q, cache, plan, ptrs: CachePointers, out, lse, sm_scale: float, rotate: bool) -> bool:
+        """Launch the CUDA kernel; False where it does not run here (then the Triton kernel does)."""
+        key = (ptrs, cache.k_codes.shape[1], q.dtype, sm_scale, rotate, plan.cuda)  # what the packed launch bakes
+        launcher = self._launchers.get(key, False)
+        if launcher is False:
+            launcher = self._launchers[key] = self._make_launcher(q, cache, plan, ptrs, sm_scale, rotate)
+        if launcher is None or q.data_ptr() % 16:
+            return False
+        hit = self._step
+        if hit is not None and hit[0] is plan and hit[1] is (self._graph if plan.graph and self._graph is not None
+                                                             else self._eager):
+            bufs, step = hit[1], hit[2]
+        else:
+            bsz, hq, d = q.shape
+            bufs = self._buffers(plan, bsz, plan.cuda_splits.num, hq, cache.num_kv_heads, d)
+            step = StepPointers(plan.kv_indptr.data_ptr(), plan.kv_indices.data_ptr(), plan.side_indptr.data_ptr(),
+                                plan.side_indices.data_ptr(), bufs.part_out.data_ptr(), bufs.part_lse.data_ptr(),
+                                bufs.counters.data_ptr(), plan.cuda_splits.num, plan.cuda_splits.chunk, bsz)
+            if any(p % 16 for p in step[:7]) or plan.kv_indices.dtype != torch.int32 or (
+                    plan.side_indices.dtype != torch.int32):
+                return False  # the kernel's vector loads need 16-byte aligned tensors: the Triton kernel instead
+            self._step = (plan, bufs, step)
+        launcher.bind(step)
+        launcher(q.data_ptr(), out.data_ptr(), (lse if lse is not None else bufs.lse).data_ptr(),
+                 driver.active.get_current_stream(q.device.index))
+        return True
+
+    def _make_launcher(self, q, cache, plan, ptrs: CachePointers, sm_scale: float, rotate: bool) -> Launcher | None:
+        """The layer's packed launch, or None where the CUDA kernel does not take these shapes or did not compile."""
+        hkv, d = cache.num_kv_heads, cache.head_dim
+        if not decode_cuda.supported(q, hkv, q.shape[1] // hkv, d, plan.kv_indices):
+            return None
+        if (any(p % 16 for p in ptrs) or not _contiguous(cache) or cache.k_side.dtype != torch.int8
+                or cache.k_side_scale.dtype != torch.float16):
+            return None
+        fkey = (q.dtype, hkv, q.device.index, plan.cuda)
+        if fkey not in self._cuda_fns:
+            self._cuda_fns[fkey] = decode_cuda.kernel(hkv, q.dtype, q.device, plan.cuda)
+        fn = self._cuda_fns[fkey]
+        return None if fn is None else Launcher(fn, hkv, ptrs, sm_scale * LOG2E, FP16_MAGIC, rotate)
+
+    def _triton_launch(self, q, cache: KV4LayerCache, plan: DecodePlan, ptrs: CachePointers, out, lse,
+                       sm_scale: float, rotate: bool) -> None:
+        bsz, hq, d = q.shape
+        hkv = cache.num_kv_heads
+        tv, splits = plan.triton, plan.splits
+        bufs = self._buffers(plan, bsz, splits.num + 1, hq, hkv, d)
+        lse = lse if lse is not None else bufs.lse
+        asm = use_asm(q.device)
+        off64 = cache.k_codes.numel() > 2**31 or cache.k_meta.numel() // 2 > 2**31  # offsets < numel
+        head = (q, self.hadamard, plan.kv_indptr, plan.kv_indices, plan.side_indptr, plan.side_indices)
+        tail = (bufs.part_out, bufs.part_lse, bufs.counters, out, lse)
+        scalars = (sm_scale * LOG2E, splits.chunk, FP16_MAGIC)
+        constexprs = dict(  # in the kernel's parameter order (the direct launch passes them positionally)
+            HKV=hkv, GROUP=hq // hkv, BLOCK_H=max(tv.block_h, triton.next_power_of_2(hq // hkv)),
+            BLOCK_N=tv.block_n, HALF=d // 2, NUM_SPLITS=splits.num, PREFETCH=tv.prefetch, USE_ASM=asm, OFF64=off64,
+            ROTATE=rotate)
+        options = dict(num_warps=tv.num_warps, num_stages=tv.num_stages,
+                       **({"maxnreg": tv.max_registers} if tv.max_registers else {}))
+        grid = (hkv, splits.num + 1, bsz)
+        key = None
+        if asm and _contiguous(cache):
+            head_ptrs = tuple(x.data_ptr() for x in head)
+            tail_ptrs = tuple(x.data_ptr() for x in tail)
+            if all(p % 16 == 0 for p in head_ptrs + tail_ptrs + ptrs):  # what Triton's first launch specialised on
+                key = (q.device.index, q.dtype, out.dtype, plan.kv_indices.dtype, plan.side_indices.dtype,
+                       splits.chunk % 16, splits.chunk == 1, *constexprs.values(), *options.items())
+                kernel = self._compiled.get(key) if self._direct else None
+                if kernel is not None and knobs.runtime.launch_enter_hook is None:
+                    try:
+                        stream = driver.active.get_current_stream(q.device.index)
+                        kernel.run(*grid, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                                   *head_ptrs, *ptrs, *tail_ptrs, *scalars, *constexprs.values())
+                        return
+                    except (TypeError, ValueError, AttributeError):  # the launcher's argument parsing: Triton's path
+                        self._compiled.clear()
+                        self._direct = False
+                        key = None
+        c = cache
+        cache_tensors = tuple(x if x.is_contiguous() else x.contiguous()  # strides are the kernel's constants
+                              for x in (c.k_codes, meta_words(c.k_meta), c.v_codes, meta_words(c.v_meta), c.k_side,
+                                        c.k_side_scale, c.v_side, c.v_side_scale))
+        kernel = _decode_kernel[grid](*head, *cache_tensors, *tail, *scalars, **constexprs, **options)
+        if key is not None and self._direct and kernel is not None and hasattr(kernel, "packed_metadata"):
+            if list(constexprs) != _decode_kernel.arg_names[len(head) + 8 + len(tail) + len(scalars):]:
+                raise AssertionError("kv4_decode: constexprs out of the kernel's parameter order")
+            self._compiled[key] = kernel
+
+
+def _cache_pointers(cache: KV4LayerCache) -> CachePointers:
+    """The cache's 8 kernel arguments as addresses (meta words: the fp16 pairs' address). Every call computes them
+    (a few hundred ns): they key the packed launches, so a layer cache is recognised by what the kernel reads."""
+    c = cache
+    return CachePointers(c.k_codes.data_ptr(), c.k_meta.data_ptr(), c.v_codes.data_ptr(), c.v_meta.data_ptr(),
+                         c.k_side.data_ptr(), c.k_side_scale.data_ptr(), c.v_side.data_ptr(),
+                         c.v_side_scale.data_ptr())
+
+
+def _contiguous(cache: KV4LayerCache) -> bool:
+    """The kernels' strides are compile-time constants: a cache with a strided tensor runs the Triton kernel on
+    contiguous copies."""
+    c = cache
+    return all(t.is_contiguous() for t in (c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale,
+                                           c.v_side, c.v_side_scale))
+
+
+def kv4_decode(q: torch.Tensor, cache: KV4LayerCache, plan: DecodePlan, *, workspace: KV4DecodeWorkspace | None = None,
+               sm_scale: float | None = None, rotate: bool = True, return_lse: bool = False):
+    """One decode step of one layer: ``q [B, Hq, D]`` -> ``out [B, Hq, D]`` (q's dtype, fp32 for fp64 input); with
+    ``return_lse`` also the natural-log LSE ``[B, Hq]``. ``workspace``: where the partial results go (the caller's,
+    reused across layers and steps); None makes a throwaway one for this call (tests, studies: allocations per call,
+    but the compiled kernels are shared)."""
+    if workspace is None:
+        bsz, hq, d = q.shape
+        workspace = KV4DecodeWorkspace(bsz, hq, cache.num_kv_heads, d, device=q.device)
+    return workspace.decode(q, cache, plan, sm_scale=sm_scale, rotate=rotate, return_lse=return_lse)

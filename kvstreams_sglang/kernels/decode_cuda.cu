@@ -1,4 +1,5 @@
-// KV4 decode, INT4 region, one CUDA program (CTA) per (split, request) over all KV heads (v5).
+// KV4 decode, one CUDA program (CTA) per (split, request) over the KV heads of the request, one launch per step:
+// the INT4 region, the INT8 side region and the merge of the splits (bench/NOTES.md v5-v7).
 //
 // Compiled at run time by NVRTC (decode_cuda.py) with -DHKV=<KV heads> -DQTYPE=<0 fp32 | 1 bf16 | 2 fp16>;
 // no headers (NVRTC ships none of the CUDA headers by default): half arithmetic is inline PTX.
@@ -6,7 +7,7 @@
 //
 // Warp h of the CTA owns KV head h and streams the split's slots in tiles of 32, alone: every reduction
 // (row max, row sum) stays inside the warp, no barrier in the loop (the Triton kernel's 4-row score tile
-// spread over 4 warps needed 12 per tile). Tensor cores by mma.sync, fed straight from the global loads:
+// spread over 4 warps needed 12 per tile). Tensor cores by mma.sync:
 //   QK (int8 m16n8k32): S^T[16 slot rows, 8 columns] = K codes x Q^T. The 8 columns are 2 slot groups x
 //     4 query heads: group 0 sees tile rows 0..15, group 1 rows 16..31 (the K operand row i holds both
 //     groups' codes, 256 k; Q^T is block-diagonal, zero where a column's group does not match): no padding
@@ -20,11 +21,14 @@
 //     slots are paired into fp16x2 by PRMT, then 0x6400|n (fp16 1024+n) and one HSUB2/HFMA2: centred codes
 //     n-8 exactly (as the Triton kernel; the 0x6400 magic is a run-time argument so ptxas keeps the trick).
 //   The two slot groups of a query head are merged at the end (lanes t, t^2), and the split's normalised
-//   partial output and log2-domain LSE are written in the Triton kernel's partial layout. FUSE (v6 default):
-//   each split CTA first takes its share of the INT8 side region into the same softmax state, and the CTA that
-//   finishes last merges the splits (ticket counter): one launch. Otherwise the Triton kernel (SIDE_MERGE mode)
-//   adds the INT8 side region and merges.
-// Tile i+1's codes/meta are loaded into registers before tile i's math, tile i+2's slot ids before that.
+//   partial output and log2-domain LSE are written in the Triton kernel's partial layout. Each split CTA first
+//   takes its share of the INT8 side region into the same softmax state (v6), and the CTA that finishes last
+//   merges the splits (ticket counter).
+// Loads (PIPE): on sm_90 with 4+ warps per CTA, a PIPE-stage ring in shared memory filled by bulk copies (the
+// shipped kernel, PIPE 2); elsewhere tile i+1's codes/meta are loaded into registers before tile i's math.
+// Split sizes (``chunk``): > 0 the same for every request (the eager plan: the longest request's length over the
+// splits); <= 0 each request's own, ceil(len / splits) rounded up to a tile, computed here from its indptr: a
+// CUDA graph replays a fixed grid and fixed scalar arguments while the lengths change every step.
 
 #include "kv4_ptx.cuh"  // u32/u16/u8, HKV / QTYPE defaults, FULL, h2f, f2h, prmt
 #ifndef MIN_BLOCKS
@@ -34,77 +38,21 @@
 #define WARPS HKV  // KV heads (warps) per CTA; grid (HKV / WARPS, splits, B)
 #endif
 #ifndef PIPE
-#define PIPE 0  // 0: tile i+1 prefetched into registers; S >= 2: S-stage cp.async ring in shared memory
+#define PIPE 0  // 0: tile i+1 prefetched into registers; S >= 2: S-stage bulk-copy ring (sm_90, 32 % WARPS == 0)
 #endif
-// Shared-memory ring, per warp and stage, structure of arrays (each thread reads back only what its own cp.async
-// wrote: no barrier, only cp.async.wait_group): K 4 x [32 lanes x 16 B], V 8 x [32 x 8 B], meta 4 x [32 x 4 B].
-#define STAGE_BYTES 4608
-#ifndef TMA
-#define TMA 0  // 1: PIPE-stage ring per CTA filled by bulk copies (cp.async.bulk + mbarrier; needs PIPE >= 2, WARPS >= 4)
+#if PIPE == 1 || (PIPE && (WARPS < 4 || 32 % WARPS))
+#error "the bulk-copy ring needs PIPE >= 2 stages and a WARPS (4, 8, 16 or 32) that divides the 32 rows of a stage"
 #endif
-#ifndef FUSE
-#define FUSE 0  // 1: each split CTA also takes its share (1 / splits) of the request's INT8 side region into the same
-                // online softmax before its INT4 loop (while the ring's first copies are in flight), and the CTA
-                // that finishes its (request, head set) last merges all parts (ticket counter): one launch per step
-#endif
-#ifndef ISSUE
-#define ISSUE 0  // TMA producers: 0 one bulk copy per row of K/V codes and K/V meta, issued lane by lane (v5);
-                 // 1 code copies with uniform operands (redux.sync) from lane 0, meta by 4-byte cp.async per thread
-#endif
-#ifndef EARLY
-#define EARLY 0  // v7, TMA only: the mbarriers, the INT4 slot ids and ALL PIPE ring stages issued at kernel start, before
-                 // the query rotation and the side share (the query codes get their own shared memory after the ring)
-#endif
-#ifndef MERGE
-#define MERGE 0  // v7: 1 the merging CTA reads the parts in one pass (online over parts, 4 parts' loads at once)
-#endif
-#ifndef SIDE_CTAS
-#define SIDE_CTAS 0  // v7, FUSE only: 0 each split CTA takes a share of the side region before its INT4 loop (v6);
-                     // S > 0: S more CTAs per request take the side region alone (grid y = splits + S)
-#endif
-#ifndef WGROUPS
-#define WGROUPS 1  // v8, TMA + FUSE + ISSUE only: warps per KV head. With 2, a CTA of 2 x WARPS warps (one per SM, 128
-                   // registers each) streams 32 * WGROUPS-slot ring stages; warp group p takes rows 32p..32p+31 of each
-                   // stage (alternate 32-slot tiles) and its own share of the side region, into its own online-softmax
-                   // state, and writes its own part (parts = splits x WGROUPS): twice the warps per SM where one CTA per
-                   // SM is all the grid has (64x2k: 128 CTAs), for the prologue, side share and merge of one CTA
-#endif
-#ifndef WSIDE
-#define WSIDE 0  // v8, WGROUPS 2 only: warp group 0 streams the INT4 region alone (32-slot stages) while warp group 1
-                 // takes the split's share of the INT8 side region alone, beside it (warp specialisation: the side
-                 // region's dependent loads no longer sit in front of the INT4 loop); each group writes its own part
-#endif
-#if WSIDE && WGROUPS != 2
-#error "WSIDE needs WGROUPS 2"
-#endif
-#if WGROUPS > 1 && (!TMA || !FUSE || !ISSUE || EARLY || SIDE_CTAS)
-#error "WGROUPS > 1 needs the fused bulk-copy ring with the v6 producers (TMA, FUSE, ISSUE), without EARLY or SIDE_CTAS"
-#endif
-#ifndef ABLATE
-#define ABLATE 0  // bench attribution only (wrong results): 1 no side share, 2 no merge, 4 no INT4 region, 8 no rotation
-#endif
-#if TMA
+#if PIPE
 // Per stage: K rows [32 slots][WARPS heads x 64 B + 16 B pad], V rows likewise, K meta [32][WARPS x 4 B], V meta.
 // One slot's codes of the CTA's heads are contiguous in the cache (slot-major), so each is one bulk copy; the
 // 16-byte row pad staggers the banks of the warps' 8- and 16-byte reads.
 #define ROW_T (WARPS * 64 + 16)
 #define META_T (WARPS * 4)
-#if WSIDE
-#define ROWS 32  // slots per stage (warp group 0's)
-#else
-#define ROWS (32 * WGROUPS)  // slots per stage
-#endif
+#define ROWS 32  // slots per stage
 #define STAGE_T (2 * ROWS * ROW_T + 2 * ROWS * META_T)
-#define WARP_SMEM 512  // query codes, aliased with the start of the ring (used before the first copy)
-#if EARLY
-#define QSM_OFF ((PIPE * STAGE_T + 8 * PIPE + 15) / 16 * 16)  // after the ring and its barriers
 #endif
-#else
-#define WARP_SMEM (PIPE ? PIPE * STAGE_BYTES : 512)
-#endif
-#ifndef QSM_OFF
-#define QSM_OFF 0
-#endif
+#define WARP_SMEM 512  // query codes (aliased with the start of the ring: read before the first copy)
 
 #define NEG_INF __int_as_float(0xff800000)
 #define SLOT_BYTES (HKV * 64)
@@ -153,12 +101,7 @@ __device__ __forceinline__ u32 ldg4(const u32* p) {
     u32 r; asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p)); return r;
 }
 
-__device__ __forceinline__ void cp16(u32 dst, const u8* src) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(dst), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp8(u32 dst, const u8* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" :: "r"(dst), "l"(src) : "memory");
-}
+
 __device__ __forceinline__ void cp4(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(dst), "l"(src) : "memory");
 }
@@ -179,8 +122,6 @@ __device__ __forceinline__ float4 ldcg_f4(const float* p) {
 __device__ __forceinline__ u32 pack_bf2(float lo, float hi) {
     u32 r; asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo)); return r;
 }
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N> __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" :: "n"(N) : "memory"); }
 __device__ __forceinline__ uint4 lds16(u32 a) {
     uint4 r; asm volatile("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "r"(a));
     return r;
@@ -212,67 +153,22 @@ struct Tile {
     u32 kw[2], vw[2];  // meta words (scale | offset << 16) of the thread's two score rows
 };
 
-// cp.async form of ``issue``: the same loads into stage ``st`` (shared address of this warp's ring) at this lane.
-__device__ __forceinline__ void issue_async(u32 st, int lane, int sid, const u8* kb, const u8* vb, const u32* kmb,
-                                            const u32* vmb, int g, int t) {
-    const int gt = t >> 1;
-#pragma unroll
-    for (int gr = 0; gr < 2; ++gr)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int s = __shfl_sync(FULL, sid, 16 * gr + g + 8 * r);
-            cp16(st + (2 * gr + r) * 512 + lane * 16, kb + (size_t)(unsigned)s * SLOT_BYTES);
-            if (gr == 0) {
-                const int s1 = __shfl_sync(FULL, sid, 16 + g + 8 * r);
-                const int sm = gt ? s1 : s;
-                cp4(st + 4096 + r * 128 + lane * 4, kmb + (size_t)(unsigned)sm * HKV);
-                cp4(st + 4096 + (2 + r) * 128 + lane * 4, vmb + (size_t)(unsigned)sm * HKV);
-            }
-        }
-#pragma unroll
-    for (int sg = 0; sg < 2; ++sg)
-#pragma unroll
-        for (int gr = 0; gr < 2; ++gr)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int s = __shfl_sync(FULL, sid, 16 * gr + 8 * sg + 2 * t + e);
-                cp8(st + 2048 + (4 * sg + 2 * gr + e) * 256 + lane * 8, vb + (size_t)(unsigned)s * SLOT_BYTES);
-            }
-}
-
-#if TMA
-// Producers: every warp copies 32 / WARPS tile rows (one bulk copy each of the row's slot's K and V codes and
-// meta of the CTA's heads; the copy instruction takes uniform operands, so one lane issues them); warp 0 arms the
-// stage's mbarrier with the byte count of the whole tile.
-__device__ __forceinline__ void produce_v5(u32 st, u32 bar, int lane, int w_, int sid, const u8* kc, const u8* vc,
+#if PIPE
+// Producers: every warp copies 32 / WARPS tile rows. The bulk copy instruction takes uniform operands; a
+// lane-dependent address makes ptxas issue it in a loop over the active lanes. Here the slot id of each of the
+// warp's rows comes out of redux.sync (a uniform register), so lane 0 issues each K / V code copy (the row's slot's
+// codes of the CTA's heads) once; the 32-byte meta rows (2 x 32 per tile) are 4-byte cp.async, one word per thread,
+// whose completion the stage's mbarrier also waits for (cp.async.mbarrier.arrive.noinc: the barrier expects
+// WARPS * 32 such arrivals besides warp 0's expect_tx arrival with the byte count of the codes) (v6).
+__device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int sid, const u8* kc, const u8* vc,
                                         const u32* km, const u32* vm) {
-    if (w_ == 0 && lane == 0) mbar_expect(bar, 32 * (2 * WARPS * 64 + 2 * META_T));
-    const int row = w_ * (32 / WARPS) + (lane & (32 / WARPS - 1));
-    const size_t s = (size_t)(unsigned)__shfl_sync(FULL, sid, row);
-    if (lane < 32 / WARPS) {  // the compiler issues each copy once per active lane (uniform operands)
-        bulk(st + row * ROW_T, kc + s * SLOT_BYTES, WARPS * 64, bar);
-        bulk(st + 32 * ROW_T + row * ROW_T, vc + s * SLOT_BYTES, WARPS * 64, bar);
-        bulk(st + 64 * ROW_T + row * META_T, km + s * HKV, META_T, bar);
-        bulk(st + 64 * ROW_T + 32 * META_T + row * META_T, vm + s * HKV, META_T, bar);
-    }
-}
-
-#if ISSUE
-// The copy instruction takes uniform operands; a lane-dependent address makes ptxas issue it in a loop over the
-// active lanes. Here the slot id of each of the warp's rows comes out of redux.sync (a uniform register), so
-// lane 0 issues each K / V code copy once; the 32-byte meta rows (2 x 32 per tile) are 4-byte cp.async, one word
-// per thread, whose completion the stage's mbarrier also waits for (cp.async.mbarrier.arrive.noinc: the barrier
-// expects WARPS * 32 such arrivals besides warp 0's expect_tx arrival).
-// With WGROUPS > 1, a warp group produces rows wrow..wrow+31 of the stage from its own slot ids ``sid``.
-__device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int wrow, int sid, const u8* kc,
-                                        const u8* vc, const u32* km, const u32* vm) {
     constexpr int RPW = 32 / WARPS;  // rows per warp
-    if (w_ == 0 && wrow == 0 && lane == 0) mbar_expect(bar, ROWS * 2 * WARPS * 64);
+    if (w_ == 0 && lane == 0) mbar_expect(bar, ROWS * 2 * WARPS * 64);
     {
-        const int mrow = w_ * RPW + lane / WARPS, mh = lane % WARPS, arow = wrow + mrow;
+        const int mrow = w_ * RPW + lane / WARPS, mh = lane % WARPS;
         const size_t ms = (size_t)(unsigned)__shfl_sync(FULL, sid, mrow);
-        cp4(st + 2 * ROWS * ROW_T + arow * META_T + mh * 4, km + ms * HKV + mh);
-        cp4(st + 2 * ROWS * ROW_T + ROWS * META_T + arow * META_T + mh * 4, vm + ms * HKV + mh);
+        cp4(st + 2 * ROWS * ROW_T + mrow * META_T + mh * 4, km + ms * HKV + mh);
+        cp4(st + 2 * ROWS * ROW_T + ROWS * META_T + mrow * META_T + mh * 4, vm + ms * HKV + mh);
         cp_arrive_noinc(bar);
     }
     const int wu = __reduce_max_sync(FULL, (unsigned)w_);  // the warp index in a uniform register
@@ -282,19 +178,14 @@ __device__ __forceinline__ void produce(u32 st, u32 bar, int lane, int w_, int w
     if (lane == 0) {
 #pragma unroll
         for (int r = 0; r < RPW; ++r) {
-            const int row = wrow + wu * RPW + r;
+            const int row = wu * RPW + r;
             bulk(st + row * ROW_T, kc + s[r] * SLOT_BYTES, WARPS * 64, bar);
             bulk(st + ROWS * ROW_T + row * ROW_T, vc + s[r] * SLOT_BYTES, WARPS * 64, bar);
         }
     }
 }
-#define MBAR_COUNT (WARPS * (ROWS / 32) * 32 + 1)  // the producing warps' threads + the expect_tx arrival
-#else
-#define produce(st, bar, lane, w_, wrow, sid, kc, vc, km, vm) produce_v5(st, bar, lane, w_, sid, kc, vc, km, vm)
-#define MBAR_COUNT 1
-#endif
+#define MBAR_COUNT (WARPS * 32 + 1)  // the producing warps' threads + the expect_tx arrival
 
-#if TMA
 // Thread 0 initialises the ring's PIPE stage barriers (the caller syncs before any warp uses them).
 __device__ __forceinline__ void init_ring_barriers(u32 bars) {
     if (threadIdx.x == 0) {
@@ -303,47 +194,29 @@ __device__ __forceinline__ void init_ring_barriers(u32 bars) {
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     }
 }
-#endif
 
-__device__ __forceinline__ void read_stage_t(Tile& T, u32 st, int hl, int g, int t, int rb) {  // rb: first row
+// Warp hl's operands of the tile in ring stage ``st``.
+__device__ __forceinline__ void read_stage(Tile& T, u32 st, int hl, int g, int t) {
     const int gt = t >> 1;
 #pragma unroll
     for (int gr = 0; gr < 2; ++gr)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) T.k[gr][r] = lds16(st + (rb + 16 * gr + g + 8 * r) * ROW_T + hl * 64 + 16 * t);
+        for (int r = 0; r < 2; ++r) T.k[gr][r] = lds16(st + (16 * gr + g + 8 * r) * ROW_T + hl * 64 + 16 * t);
 #pragma unroll
     for (int sg = 0; sg < 2; ++sg)
 #pragma unroll
         for (int gr = 0; gr < 2; ++gr)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-                T.v[sg][gr][e] = lds8(st + (ROWS + rb + 16 * gr + 8 * sg + 2 * t + e) * ROW_T + hl * 64 + 8 * g);
+                T.v[sg][gr][e] = lds8(st + (ROWS + 16 * gr + 8 * sg + 2 * t + e) * ROW_T + hl * 64 + 8 * g);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-        const int row = rb + 16 * gt + g + 8 * r;
+        const int row = 16 * gt + g + 8 * r;
         T.kw[r] = lds4(st + 2 * ROWS * ROW_T + row * META_T + hl * 4);
         T.vw[r] = lds4(st + 2 * ROWS * ROW_T + ROWS * META_T + row * META_T + hl * 4);
     }
 }
 #endif
-
-__device__ __forceinline__ void read_stage(Tile& T, u32 st, int lane) {
-#pragma unroll
-    for (int gr = 0; gr < 2; ++gr)
-#pragma unroll
-        for (int r = 0; r < 2; ++r) T.k[gr][r] = lds16(st + (2 * gr + r) * 512 + lane * 16);
-#pragma unroll
-    for (int sg = 0; sg < 2; ++sg)
-#pragma unroll
-        for (int gr = 0; gr < 2; ++gr)
-#pragma unroll
-            for (int e = 0; e < 2; ++e) T.v[sg][gr][e] = lds8(st + 2048 + (4 * sg + 2 * gr + e) * 256 + lane * 8);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        T.kw[r] = lds4(st + 4096 + r * 128 + lane * 4);
-        T.vw[r] = lds4(st + 4096 + (2 + r) * 128 + lane * 4);
-    }
-}
 
 __device__ __forceinline__ void issue(Tile& T, int sid, const u8* kb, const u8* vb, const u32* kmb, const u32* vmb,
                                       int g, int t) {
@@ -412,7 +285,7 @@ __device__ __forceinline__ void online_softmax(const float (&sc)[2][2], float (&
     }
 }
 
-#if FUSE
+
 // This split's share of the INT8 side region of request b, KV head h (this warp): tiles of 32 side slots loaded
 // straight into registers (the region is at most sink + recent slots), into the same online-softmax state as the
 // INT4 slots (the side values are exact integers: no offset term). The same MMA shapes as the INT4 loop: a thread's K bytes of a slot
@@ -506,6 +379,7 @@ __device__ __forceinline__ void side_region(const int* sidx, int slo, int slen, 
 
 // The CTA that draws the last ticket of its (request, head set) merges the parts of its WARPS * 4 query rows
 // (exact log2-domain LSE merge, as the Triton kernel's _merge_parts) into Out (the query's dtype) and LseOut.
+// Empty parts (a split past the end of its request's INT4 list, with no side share) have LSE -inf: weight 0.
 __device__ __forceinline__ void merge_parts(const float* PartOut, const float* PartLse, int* Counter, void* Out,
                                             float* LseOut, int b, int parts) {
     __shared__ int ticket;
@@ -514,50 +388,10 @@ __device__ __forceinline__ void merge_parts(const float* PartOut, const float* P
     int* cnt = Counter + b * gridDim.x + blockIdx.x;
     if (threadIdx.x == 0) ticket = atomicAdd(cnt, 1);
     __syncthreads();
-#if WGROUPS > 1
-    if (ticket != (int)gridDim.y - 1) return;  // the CTAs of this request (each writes WGROUPS of the parts)
-    if (threadIdx.x >= WARPS * 32) return;      // the merge's layout: WARPS * 32 threads
-#else
     if (ticket != parts - 1) return;
-#endif
     __threadfence();
     const int rr = threadIdx.x >> 3, seg = threadIdx.x & 7;  // WARPS * 4 rows x 8 segments of 16 dims
     const size_t row = (size_t)b * (HKV * 4) + blockIdx.x * (WARPS * 4) + rr;
-#if MERGE
-    // v7: one pass, online over the parts, the L2 loads of 4 parts issued together (v6: a max pass, then a pass
-    // with a dependent load per part)
-    float m_run = NEG_INF, tot = 0.f, acc[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) acc[i] = 0.f;
-    for (int s0 = 0; s0 < parts; s0 += 4) {
-        float ls[4];
-        float4 v[4][4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const int s = min(s0 + k, parts - 1);
-            ls[k] = ldcg_f(PartLse + row * parts + s);
-            const float* src = PartOut + (row * parts + s) * 128 + seg * 16;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) v[k][i] = ldcg_f4(src + 4 * i);
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            if (s0 + k < parts) {
-                const float mn = fmaxf(m_run, ls[k]);
-                const float ms_ = mn == NEG_INF ? 0.f : mn;
-                const float a = ex2(m_run - ms_), w = ex2(ls[k] - ms_);  // 0 for empty parts
-                tot = tot * a + w;
-#pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    acc[4 * i] = acc[4 * i] * a + w * v[k][i].x; acc[4 * i + 1] = acc[4 * i + 1] * a + w * v[k][i].y;
-                    acc[4 * i + 2] = acc[4 * i + 2] * a + w * v[k][i].z; acc[4 * i + 3] = acc[4 * i + 3] * a + w * v[k][i].w;
-                }
-                m_run = mn;
-            }
-        }
-    }
-    const float ms = m_run == NEG_INF ? 0.f : m_run;
-#else
     float mx = NEG_INF;
     for (int s = 0; s < parts; ++s) mx = fmaxf(mx, ldcg_f(PartLse + row * parts + s));
     const float ms = mx == NEG_INF ? 0.f : mx;
@@ -574,7 +408,6 @@ __device__ __forceinline__ void merge_parts(const float* PartOut, const float* P
             acc[4 * i] += w * v.x; acc[4 * i + 1] += w * v.y; acc[4 * i + 2] += w * v.z; acc[4 * i + 3] += w * v.w;
         }
     }
-#endif
     const float den = tot > 0.f ? tot : 1.f, inv = 1.f / den;
 #if QTYPE == 0
     float4* dst = (float4*)((float*)Out + row * 128 + seg * 16);
@@ -597,9 +430,8 @@ __device__ __forceinline__ void merge_parts(const float* PartOut, const float* P
     if (seg == 0) LseOut[row] = tot > 0.f ? ms + lg2(den) : NEG_INF;
     if (threadIdx.x == 0) *cnt = 0;  // ready for the next launch
 }
-#endif
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32 * WGROUPS, MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, const int* __restrict__ KvIndices,
                 const u8* __restrict__ KCodes, const u32* __restrict__ KMeta,
                 const u8* __restrict__ VCodes, const u32* __restrict__ VMeta,
@@ -610,75 +442,20 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
                 int* __restrict__ Counter, void* __restrict__ Out, float* __restrict__ LseOut,
                 int chunk, int parts, float sm_scale_log2, u32 magic, int rotate)
 {
-    extern __shared__ __align__(16) u8 smem[];  // WARPS x WARP_SMEM (dynamic)
-    // warp group wg (WGROUPS > 1): its 32-slot tiles, side share and part (a constant 0 otherwise: the v7 kernel)
-    const int wg = WGROUPS > 1 ? (int)(threadIdx.x >> 5) / WARPS : 0;
-    const int lane = threadIdx.x & 31, w_ = (threadIdx.x >> 5) - wg * WARPS, h = blockIdx.x * WARPS + w_;
-    const int wrow = WSIDE ? 0 : 32 * wg;  // the group's first row in a ring stage
-#if SIDE_CTAS
-    // v7: grid y = INT4 splits + SIDE_CTAS; in launch (dispatch) order all INT4 CTAs come first, one per SM while
-    // they fit, then the side CTAs, which take the side region alone (SIDE_CTAS shares per request) and land in the
-    // second CTA slot of the SMs: the side region's dependent-load latency runs beside the INT4 streams instead of
-    // before them. Part index of a side CTA: splits + its share.
-    const int nsplit = (int)gridDim.y - SIDE_CTAS;
-    const int lyz = blockIdx.y + blockIdx.z * gridDim.y;
-    const bool side_cta = lyz >= nsplit * (int)gridDim.z;
-    const int lsd = lyz - nsplit * (int)gridDim.z;
-    const int b = side_cta ? lsd / SIDE_CTAS : lyz / nsplit;
-    const int split = side_cta ? nsplit + lsd % SIDE_CTAS : lyz % nsplit;
-#else
-    const bool side_cta = false;
+    extern __shared__ __align__(16) u8 smem[];  // WARPS x WARP_SMEM, or the ring (dynamic)
+    const int lane = threadIdx.x & 31, w_ = threadIdx.x >> 5, h = blockIdx.x * WARPS + w_;
     const int b = blockIdx.z;
     const int split = blockIdx.y;
-#endif
-    const int part = split * WGROUPS + wg;  // this warp's partial state
-#if FUSE
     // This split's share of the side region (splits = gridDim.y) and its first slot ids, loaded first: the
     // latency hides behind the query's loads and rotation.
     const int s_start = SideIndptr[b];
     const int s_total = SideIndptr[b + 1] - s_start;
-#if SIDE_CTAS
-    const int s_per = (s_total + SIDE_CTAS - 1) / SIDE_CTAS;
-    const int s_lo = side_cta ? (split - nsplit) * s_per : 0, s_hi = side_cta ? min(s_lo + s_per, s_total) : 0;
-#else
-#if WSIDE
-    const int s_per = (s_total + (int)gridDim.y - 1) / (int)gridDim.y;  // group 1 takes the split's whole share
-    const int s_lo = wg ? split * s_per : 0, s_hi = wg ? min(s_lo + s_per, s_total) : 0;
-#else
-    const int s_per = (s_total + (int)gridDim.y * WGROUPS - 1) / ((int)gridDim.y * WGROUPS);
-    const int s_lo = part * s_per, s_hi = min(s_lo + s_per, s_total);
-#endif
-#endif
+    const int s_per = (s_total + (int)gridDim.y - 1) / (int)gridDim.y;
+    const int s_lo = split * s_per, s_hi = min(s_lo + s_per, s_total);
     const int* s_idx = SideIndices + s_start;
     const int s_sid0 = s_lo + (threadIdx.x & 31) < s_hi ? s_idx[s_lo + (threadIdx.x & 31)] : 0;
-#endif
-#if TMA && EARLY
-    // v7: the INT4 ring is filled first (all PIPE stages); its data lands while the query is rotated and the side
-    // share is taken, so the INT4 loop starts on full stages.
-    const int start = KvIndptr[b];
-    const int len = KvIndptr[b + 1] - start;
-    const int lo = split * chunk;
-    const int hi = ((ABLATE & 4) || side_cta) ? lo : min(lo + chunk, len);
-    const int* idx = KvIndices + start;
-    const u32 ring = (u32)__cvta_generic_to_shared(smem);
-    const u32 bars = ring + PIPE * STAGE_T;
-    init_ring_barriers(bars);
-    const int h0 = blockIdx.x * WARPS;
-    const u8* kc = KCodes + h0 * 64;
-    const u8* vc = VCodes + h0 * 64;
-    const u32* km = KMeta + h0;
-    const u32* vm = VMeta + h0;
-    int sids[PIPE];
-#pragma unroll
-    for (int st = 0; st < PIPE; ++st) sids[st] = lo + 32 * st + lane < hi ? idx[lo + 32 * st + lane] : 0;
-    __syncthreads();  // barriers initialised
-#pragma unroll
-    for (int st = 0; st < PIPE; ++st)
-        if (lo + 32 * st < hi) produce(ring + st * STAGE_T, bars + 8 * st, lane, w_, 0, sids[st], kc, vc, km, vm);
-    int sid_next = lo + 32 * PIPE + lane < hi ? idx[lo + 32 * PIPE + lane] : 0;
-#endif
     // the query codes (one WARP_SMEM per warp of the CTA); later the ring
-    u8 (*qsm)[128] = (u8 (*)[128])(smem + QSM_OFF + (threadIdx.x >> 5) * WARP_SMEM);
+    u8 (*qsm)[128] = (u8 (*)[128])(smem + (threadIdx.x >> 5) * WARP_SMEM);
     const int g = lane >> 2, t = lane & 3;
 
     // ---- query: rotate (fast Walsh-Hadamard, = x @ H of the normalised Sylvester matrix) and INT8 ----
@@ -689,7 +466,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
         float x[16];
 #pragma unroll
         for (int i = 0; i < 16; ++i) x[i] = q_elem(Q, base + i);
-        if (rotate && !(ABLATE & 8)) {
+        if (rotate) {
 #pragma unroll
             for (int st = 1; st < 16; st <<= 1)
 #pragma unroll
@@ -760,27 +537,20 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     float o[8][4];
 #pragma unroll
     for (int i = 0; i < 8; ++i) { o[i][0] = 0.f; o[i][1] = 0.f; o[i][2] = 0.f; o[i][3] = 0.f; }
-#if FUSE && !(ABLATE & 1)
-#define SIDE_SHARE() side_region(s_idx, s_lo, s_hi, s_sid0, KSide, KSideScale, VSide, VSideScale, h, lane, g, t, \
-                                 qa, qb, qs, magic, m, l, o)
-#else
-#define SIDE_SHARE()
-#endif
     {
-#if !(TMA && EARLY)
     const int start = KvIndptr[b];
     const int len = KvIndptr[b + 1] - start;
-    const int lo = split * chunk;
-    const int hi = ((ABLATE & 4) || side_cta || (WSIDE && wg)) ? lo : min(lo + chunk, len);
+    // chunk <= 0: this request's own split size, ceil(len / splits) rounded up to the 32-slot tile (graph plans)
+    const int ch = chunk > 0 ? chunk : ((len + (int)gridDim.y - 1) / (int)gridDim.y + 31) & ~31;
+    const int lo = split * ch;
+    const int hi = min(lo + ch, len);
     const int* idx = KvIndices + start;
-#endif
     const u8* kb = KCodes + h * 64 + 16 * t;
     const u8* vb = VCodes + h * 64 + 8 * g;
     const u32* kmb = KMeta + h;
     const u32* vmb = VMeta + h;
 
-#if TMA
-#if !EARLY
+#if PIPE
     const u32 ring = (u32)__cvta_generic_to_shared(smem);
     const u32 bars = ring + PIPE * STAGE_T;
     init_ring_barriers(bars);
@@ -792,62 +562,27 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     const u32* vm = VMeta + h0;
 #pragma unroll
     for (int st = 0; st < PIPE - 1; ++st) {
-        const int p0 = lo + ROWS * st, pw = p0 + wrow + lane;
-        if (p0 < hi) produce(ring + st * STAGE_T, bars + 8 * st, lane, w_, wrow, pw < hi ? idx[pw] : 0, kc, vc, km, vm);
+        const int p0 = lo + ROWS * st, pw = p0 + lane;
+        if (p0 < hi) produce(ring + st * STAGE_T, bars + 8 * st, lane, w_, pw < hi ? idx[pw] : 0, kc, vc, km, vm);
     }
-    const int pn = lo + ROWS * (PIPE - 1) + wrow + lane;
+    const int pn = lo + ROWS * (PIPE - 1) + lane;
     int sid_next = pn < hi ? idx[pn] : 0;
-#endif
     int stage = 0;
     u32 phase = 0;
-    SIDE_SHARE();
+    side_region(s_idx, s_lo, s_hi, s_sid0, KSide, KSideScale, VSide, VSideScale, h, lane, g, t, qa, qb, qs, magic,
+                m, l, o);
     for (int n0 = lo; n0 < hi; n0 += ROWS) {
-#if EARLY
-        if (n0 != lo) {  // all PIPE stages were filled at the start: nothing consumed yet at the first tile
-#endif
-#if WSIDE
-        asm volatile("bar.sync 1, %0;" :: "n"(WARPS * 32) : "memory");  // the INT4 warps only (group 1: side)
-#else
         __syncthreads();  // every warp is done with the stage consumed last tile: refill it
-#endif
         {
             const int p0 = n0 + ROWS * (PIPE - 1);
             const int ahead = stage == 0 ? PIPE - 1 : stage - 1;
-            if (p0 < hi) produce(ring + ahead * STAGE_T, bars + 8 * ahead, lane, w_, wrow, sid_next, kc, vc, km, vm);
-            sid_next = p0 + ROWS + wrow + lane < hi ? idx[p0 + ROWS + wrow + lane] : 0;
+            if (p0 < hi) produce(ring + ahead * STAGE_T, bars + 8 * ahead, lane, w_, sid_next, kc, vc, km, vm);
+            sid_next = p0 + ROWS + lane < hi ? idx[p0 + ROWS + lane] : 0;
         }
-#if EARLY
-        }
-#endif
         mbar_wait(bars + 8 * stage, phase);
         Tile cur;
-        read_stage_t(cur, ring + stage * STAGE_T, w_, g, t, wrow);
+        read_stage(cur, ring + stage * STAGE_T, w_, g, t);
         if (++stage == PIPE) { stage = 0; phase ^= 1u; }
-#elif PIPE
-    __syncwarp();  // every lane has read its query operand before the ring overwrites the query codes
-    const u32 ring = (u32)__cvta_generic_to_shared(smem + w_ * WARP_SMEM);
-#pragma unroll
-    for (int st = 0; st < PIPE - 1; ++st) {
-        const int p0 = lo + 32 * st;
-        if (p0 < hi) issue_async(ring + st * STAGE_BYTES, lane, p0 + lane < hi ? idx[p0 + lane] : 0, kb, vb, kmb,
-                                 vmb, g, t);
-        cp_commit();
-    }
-    int sid_next = lo + 32 * (PIPE - 1) + lane < hi ? idx[lo + 32 * (PIPE - 1) + lane] : 0;
-    int stage = 0;
-    SIDE_SHARE();
-    for (int n0 = lo; n0 < hi; n0 += 32) {
-        {
-            const int p0 = n0 + 32 * (PIPE - 1);
-            const int ahead = stage == 0 ? PIPE - 1 : stage - 1;  // (stage + PIPE - 1) % PIPE: consumed last tile
-            if (p0 < hi) issue_async(ring + ahead * STAGE_BYTES, lane, sid_next, kb, vb, kmb, vmb, g, t);
-            cp_commit();
-            sid_next = p0 + 32 + lane < hi ? idx[p0 + 32 + lane] : 0;
-        }
-        cp_wait<PIPE - 1>();
-        Tile cur;
-        read_stage(cur, ring + stage * STAGE_BYTES, lane);
-        stage = stage == PIPE - 1 ? 0 : stage + 1;
 #else
     Tile cur;
     if (lo < hi) {
@@ -855,12 +590,14 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
         issue(cur, sid, kb, vb, kmb, vmb, g, t);
     }
     int sid_next = lo + 32 + lane < hi ? idx[lo + 32 + lane] : 0;
-    SIDE_SHARE();
+    side_region(s_idx, s_lo, s_hi, s_sid0, KSide, KSideScale, VSide, VSideScale, h, lane, g, t, qa, qb, qs, magic,
+                m, l, o);
     for (int n0 = lo; n0 < hi; n0 += 32) {
         Tile nxt;
         if (n0 + 32 < hi) issue(nxt, sid_next, kb, vb, kmb, vmb, g, t);
         sid_next = n0 + 64 + lane < hi ? idx[n0 + 64 + lane] : 0;
 #endif
+
 
         // ---- scores: S^T[rows g, g+8][columns 2t, 2t+1] ----
         int acc[4] = {0, 0, 0, 0};
@@ -882,7 +619,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
         float sc[2][2], p[2][2], vs[2], vo[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const bool valid = n0 + wrow + 16 * gt + g + 8 * r < hi;
+            const bool valid = n0 + 16 * gt + g + 8 * r < hi;
             const float ks = h2f((u16)(cur.kw[r] & 0xffff)), ko = h2f((u16)(cur.kw[r] >> 16));
             vs[r] = valid ? h2f((u16)(cur.vw[r] & 0xffff)) : 0.f;
             vo[r] = valid ? h2f((u16)(cur.vw[r] >> 16)) : 0.f;
@@ -927,6 +664,7 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
     }
     }  // INT4 region
 
+
     // ---- merge the two slot groups of each query head (lanes t and t ^ 2), write the split's part ----
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
@@ -965,17 +703,15 @@ kv4_int4_splits(const void* __restrict__ Q, const int* __restrict__ KvIndptr, co
             const size_t row = (size_t)b * (HKV * 4) + h * 4 + j;
             const bool any = L[c] > 0.f;
             const float inv = any ? 1.f / L[c] : 0.f;
-            float* dst = PartOut + (row * parts_ + part) * 128;
+            float* dst = PartOut + (row * parts_ + split) * 128;
 #pragma unroll
             for (int i = 0; i < 8; ++i) {
                 const int d0 = i < 4 ? 8 * g + 2 * i : 64 + 8 * g + 2 * (i - 4);
                 dst[d0] = (o[i][c] + OFF[c]) * inv;
                 dst[d0 + 1] = (o[i][2 + c] + OFF[c]) * inv;
             }
-            if (g == 0) PartLse[row * parts_ + part] = any ? M[c] + lg2(L[c]) : NEG_INF;
+            if (g == 0) PartLse[row * parts_ + split] = any ? M[c] + lg2(L[c]) : NEG_INF;
         }
     }
-#if FUSE && !(ABLATE & 2)
     merge_parts(PartOut, PartLse, Counter, Out, LseOut, b, parts);
-#endif
 }

@@ -97,7 +97,7 @@ def kv4_store(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: tor
             store_cuda.store(fn, cache, k, v, slots, side_slots, rotate)
             return
         if backend == "cuda":
-            raise RuntimeError(f"kv4_store: the CUDA kernel is unavailable here ({store_cuda._STATE.get('errors')})")
+            raise RuntimeError(f"kv4_store: the CUDA kernel is unavailable here ({store_cuda.KERNEL.errors})")
     hmat = device_hadamard(d, k.device)
     c = cache
     _store_kernel[(triton.cdiv(n, block_t), hkv)](

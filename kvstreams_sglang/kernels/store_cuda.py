@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -17,32 +18,28 @@ from ..kv4.cache import KV4LayerCache
 from . import cuda_rtc
 
 _SRC = os.path.join(os.path.dirname(__file__), "store_cuda.cu")
-_STATE: dict = {}
+KERNEL = cuda_rtc.RuntimeKernel(_SRC, b"kv4_store")  # the kernel handle: its compile cache and errors
 QTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 WARPS = 1  # store_cuda.cu: warps per CTA (default), 16 token-head vectors per warp
 
 
+class StoreKernel(NamedTuple):
+    function: ctypes.c_void_p  # CUfunction (loaded by ``KERNEL``, which keeps its module)
+    warps: int  # per CTA
+
+
 def build(arch: tuple[int, int], defines: dict, *, with_log: bool = False):
     """NVRTC: the cubin for compute capability ``arch`` (no GPU needed; ``with_log``: also ptxas's report)."""
-    return cuda_rtc.compile_cubin(_SRC, arch, defines, with_log=with_log)
+    return KERNEL.build(arch, defines, with_log=with_log)
 
 
-def kernel(hkv: int, dtype: torch.dtype, device: torch.device, opts: dict | None = None):
-    """The loaded kernel for ``hkv`` KV heads and input ``dtype`` as ``(function, warps per CTA)``, or None where
-    NVRTC/libcuda are missing or the compilation failed (then never retried; the error is kept in
-    ``_STATE["errors"]``). ``opts``: store_cuda.cu defines (bench variants: WARPS, MIN_BLOCKS, LDHINT)."""
-    opts = dict(opts or {})
-    key = (str(device), hkv, dtype, tuple(sorted(opts.items())))
-    if key not in _STATE:
-        try:
-            defines = dict(HKV=hkv, QTYPE=QTYPES[dtype], WARPS=WARPS) | opts
-            fn = cuda_rtc.load_function(build(torch.cuda.get_device_capability(device), defines), b"kv4_store",
-                                        device)[0]
-            _STATE[key] = (fn, defines["WARPS"])
-        except Exception as e:  # fall back to the Triton kernel
-            _STATE[key] = None
-            _STATE.setdefault("errors", []).append(f"{type(e).__name__}: {e}")
-    return _STATE[key]
+def kernel(hkv: int, dtype: torch.dtype, device: torch.device, opts: dict | None = None) -> StoreKernel | None:
+    """The loaded kernel for ``hkv`` KV heads and input ``dtype``, or None where NVRTC/libcuda are missing or the
+    compilation failed (then never retried; the error is kept in ``KERNEL.errors``). ``opts``: store_cuda.cu
+    defines (bench variants: WARPS, MIN_BLOCKS, LDHINT)."""
+    defines = dict(HKV=hkv, QTYPE=QTYPES[dtype], WARPS=WARPS) | dict(opts or {})
+    loaded = KERNEL.load(device, defines)
+    return None if loaded is None else StoreKernel(loaded.function, defines["WARPS"])
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -67,10 +64,11 @@ def supported(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: tor
             and n * hkv < 2 ** 31 and torch.cuda.get_device_capability(k.device) >= (8, 0))
 
 
-def store(fn, cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+def store(fn: StoreKernel, cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
           side_slots: torch.Tensor, rotate: bool) -> None:
     """Launch the loaded kernel ``fn`` (``kernel``'s answer) on the current stream (arguments as ``kv4_store``'s,
-    checked by ``supported``)."""
+    checked by ``supported``). No host synchronisation and a grid fixed by ``k``'s shape: a CUDA graph can
+    capture it (after a first, eager call has compiled the kernel)."""
     n, hkv, _ = k.shape
     nvec = n * hkv
     c = cache
@@ -82,7 +80,6 @@ def store(fn, cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: tor
     vals += [ctypes.c_uint64(t.data_ptr()) for t in (c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side,
                                                      c.k_side_scale, c.v_side, c.v_side_scale)]
     vals += [ctypes.c_int(nvec), ctypes.c_int(int(rotate))]
-    warps = fn[1]
-    blocks = (nvec + 16 * warps - 1) // (16 * warps)
-    stream = torch.cuda.current_stream(k.device).cuda_stream
-    cuda_rtc.launch(fn[0], (blocks, 1, 1), (32 * warps, 1, 1), 0, stream, cuda_rtc.pack_params(vals))
+    blocks = (nvec + 16 * fn.warps - 1) // (16 * fn.warps)
+    stream = torch.cuda.current_stream(k.device).cuda_stream  # the capturing stream under a CUDA graph
+    cuda_rtc.launch(fn.function, (blocks, 1, 1), (32 * fn.warps, 1, 1), 0, stream, cuda_rtc.pack_params(vals))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from ..kernels import plan_decode
+from ..kernels import KV4DecodeWorkspace
 from ..kernels.attend import kv4_attention_step
 from ..kv4.regions import new_side_slots, region_lists
 from .pool import KV4TokenToKVPool
@@ -45,6 +45,13 @@ class KV4RLAttnBackend(AttentionBackend):
         self.device = torch.device(model_runner.device)
         self.use_triton = self.device.type == "cuda"
         self.forward_metadata: KV4StepMetadata | None = None
+        self.decode_workspace = None  # the decode kernels' partial outputs, tickets, launch arguments
+        if self.use_triton:
+            from sglang.srt.layers.dp_attention import get_attention_tp_size
+
+            self.decode_workspace = KV4DecodeWorkspace(
+                model_runner.req_to_token_pool.size, model_runner.model_config.num_attention_heads
+                // get_attention_tp_size(), pool.head_num, pool.head_dim, device=self.device)
 
     def init_forward_metadata(self, forward_batch):
         fm = forward_batch.forward_mode
@@ -83,7 +90,7 @@ class KV4RLAttnBackend(AttentionBackend):
         kv4 = region_lists(rows, slots, positions, valid, end, sink=sink, recent=recent)
         plan = None
         if decode and self.use_triton:
-            plan = plan_decode(**kv4, num_kv_heads=self.pool.head_num)
+            plan = self.decode_workspace.plan(**kv4)
         self.forward_metadata = KV4StepMetadata("decode" if decode else "extend", qo, out_slots, side_slots, kv4,
                                                 plan)
 
@@ -100,7 +107,7 @@ class KV4RLAttnBackend(AttentionBackend):
         out = kv4_attention_step(self.pool.layer_cache(layer.layer_id), q_, k_, v_, mode=md.mode,
                                  qo_indptr=md.qo_indptr, out_slots=md.out_slots, side_slots=md.side_slots,
                                  kv4=md.kv4, sm_scale=layer.scaling, use_triton=self.use_triton,
-                                 decode_plan=md.decode_plan)
+                                 decode_plan=md.decode_plan, decode_workspace=self.decode_workspace)
         return out.reshape(n, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
