@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 # The real SGLang on a CPU box (tests): its wheel and compressed-tensors without dependencies (sglang pins a CUDA
 # torch), its pure-Python needs from the `sglang-cpu` extra. A GPU install is the normal `pip install -e .[sglang]`.
 sglang-cpu:
-	$(PYTHON) -m pip install --no-deps sglang==0.5.10.post1 compressed-tensors==0.20.1
+	$(PYTHON) -m pip install --no-deps sglang==0.5.17 compressed-tensors==0.20.1
 
 test: $(NEEDS_SETUP)
 	$(PYTHON) -m pytest -q tests

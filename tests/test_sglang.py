@@ -1,4 +1,4 @@
-"""The real SGLang engine (``sglang==0.5.10.post1``) with kv-streams and kv4rl, on CPU.
+"""The real SGLang engine (``sglang==0.5.17``) with kv-streams and kv4rl, on CPU.
 
 Each engine runs in a subprocess (``tests/sglang_session.py``: SGLang spawns its scheduler and
 a scheduler crash SIGQUITs its parent) with the CPU import shims of ``tests/sglang_cpu_shims``.

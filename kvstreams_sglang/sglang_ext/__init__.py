@@ -1,4 +1,4 @@
-"""KV-streams and KV4-RL inside SGLang (``sglang==0.5.10.post1``), by subclassing and patching.
+"""KV-streams and KV4-RL inside SGLang (``sglang==0.5.17``), by subclassing and patching.
 
 Nothing of SGLang is vendored. The pieces:
 

@@ -58,10 +58,10 @@ class KV4RLAttnBackend(AttentionBackend):
         if fm.is_idle():
             self.forward_metadata = None
             return
-        if fm.is_mixed() or fm.is_target_verify() or fm.is_draft_extend():
-            raise NotImplementedError(f"kv4rl: forward mode {fm} is not supported (no mixed chunks, no "
-                                      "speculative decoding)")
         decode = fm.is_decode()
+        if not decode and fm.name != "EXTEND":
+            raise NotImplementedError(f"kv4rl: forward mode {fm.name} is not supported (extend and decode only: no "
+                                      "mixed chunks, no speculative decoding, no split prefill)")
         dev = self.device
         rows = forward_batch.req_pool_indices.long()
         seq_lens = forward_batch.seq_lens.long()

@@ -11,14 +11,21 @@ import json
 
 import zmq
 from sglang.srt.entrypoints.engine import Engine
-from sglang.srt.managers.io_struct import RpcReqInput, UpdateWeightFromDiskReqInput
+from sglang.srt.managers.io_struct import RpcReqInput, UpdateWeightFromDiskReqInput, sock_recv, sock_send
 
+from .patches import RPC_ARGS
 from .scheduler import run_scheduler_process
 from .server_args import KVStreamsServerArgs
 
 
 class KVStreamsRPCError(RuntimeError):
     """The scheduler refused a kvstreams call (the message says why); nothing was changed."""
+
+
+def rpc_request(method: str, **parameters) -> RpcReqInput:
+    """A kvstreams call for the scheduler. SGLang's IPC is typed msgpack and an RPC parameter a flat scalar, so
+    the arguments (spans are lists) travel as one JSON string, as the result comes back."""
+    return RpcReqInput(method=method, parameters={RPC_ARGS: json.dumps(parameters)})
 
 
 def rpc_result(output) -> dict:
@@ -32,8 +39,8 @@ class KVStreamsEngine(Engine):
     run_scheduler_process_func = staticmethod(run_scheduler_process)
 
     def _rpc(self, method: str, **parameters) -> dict:
-        self.send_to_rpc.send_pyobj(RpcReqInput(method=method, parameters=parameters))
-        return rpc_result(self.send_to_rpc.recv_pyobj(zmq.BLOCKY))
+        sock_send(self.send_to_rpc, rpc_request(method, **parameters))
+        return rpc_result(sock_recv(self.send_to_rpc, flags=zmq.BLOCKY))
 
     def evict(self, session_id: str, spans) -> dict:
         """Evict ``spans`` (``[start, end)`` stream positions) of a streaming session in place.

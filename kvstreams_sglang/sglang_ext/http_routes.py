@@ -19,10 +19,10 @@ import zmq.asyncio
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
-from sglang.srt.managers.io_struct import RpcReqInput
+from sglang.srt.managers.io_struct import async_sock_recv, async_sock_send
 from sglang.srt.utils.network import get_zmq_socket
 
-from .engine import KVStreamsRPCError, rpc_result
+from .engine import KVStreamsRPCError, rpc_request, rpc_result
 
 
 class EvictRequest(BaseModel):
@@ -41,8 +41,8 @@ class _RPC:
 
     async def call(self, method: str, **parameters) -> JSONResponse:
         async with self.lock:  # replies come back in order on one DEALER socket
-            await self.socket.send_pyobj(RpcReqInput(method=method, parameters=parameters))
-            output = await self.socket.recv_pyobj()
+            await async_sock_send(self.socket, rpc_request(method, **parameters))
+            output = await async_sock_recv(self.socket)
         try:
             return JSONResponse(rpc_result(output))
         except KVStreamsRPCError as e:

@@ -1,23 +1,25 @@
-"""The hooks SGLang 0.5.10 has no extension point for, installed in the scheduler process.
+"""The hooks SGLang 0.5.17 has no extension point for, installed in the scheduler process.
 
 ``install(server_args)`` is idempotent and touches only what the flags need:
 
 - kv-streams: ``ForwardBatch.init_new`` adds each request's session position offset
   (``sessions.position_offset``) to ``positions``; the scheduler gets ``kvstreams_*``
-  RPC methods (evict, session info, pool info) whose results travel back as JSON.
-- kv4rl: the ``kv4rl`` attention backend is registered; ``_init_pools`` builds
+  RPC methods (evict, session info, pool info) whose arguments and results travel as JSON
+  (``RPC_ARGS``: SGLang's RPC parameters are flat scalars).
+- kv4rl: the ``kv4rl`` attention backend is registered; ``KVCacheConfigurator`` builds
   ``KV4TokenToKVPool`` where it would build ``MHATokenToKVPool``; capacity profiling uses the
-  KV4 bytes per token and sets the INT8 side cache aside; SGLang's ``support_triton`` name
-  check answers False for ``kv4rl`` off CUDA (its Triton helpers cannot run there).
+  KV4 bytes per token (``DefaultPoolConfigurator``'s cell size) and sets the INT8 side cache
+  aside (out of the profiled bytes); SGLang's ``support_triton`` name check answers False for
+  ``kv4rl`` off CUDA (its Triton helpers cannot run there).
 """
 
 from __future__ import annotations
 
 import json
-import math
 
 import torch
 
+RPC_ARGS = "kvstreams_json"  # the one parameter of a kvstreams RPC: its keyword arguments as JSON
 _installed: set[str] = set()
 
 
@@ -38,8 +40,8 @@ def _install_positions() -> None:
 
     original = ForwardBatch.init_new.__func__
 
-    def init_new(cls, batch, model_runner):
-        ret = original(cls, batch, model_runner)
+    def init_new(cls, batch, model_runner, *args, **kwargs):
+        ret = original(cls, batch, model_runner, *args, **kwargs)
         if ret.positions is None or ret.forward_mode.is_idle():
             return ret
         offsets = [position_offset(r) for r in batch.reqs]
@@ -69,13 +71,16 @@ def _install_rpc() -> None:
 
     def kvstreams_pool_info(self):
         """Free/total token slots, the pool class, its bytes, and the per-token size capacity was computed with."""
+        from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
+
         allocator = self.token_to_kv_pool_allocator
         runner = self.tp_worker.model_runner
         kv_bytes = allocator.get_kvcache().get_kv_size_bytes()
+        configurator = create_memory_pool_configurator(runner.kv_cache_configurator)
         return dict(available_tokens=int(allocator.available_size()), total_tokens=int(allocator.size),
                     pool=type(allocator.get_kvcache()).__name__, open_sessions=len(self.session_controller.sessions),
                     kv_bytes=int(sum(kv_bytes) if isinstance(kv_bytes, tuple) else kv_bytes),
-                    cell_bytes=int(runner.get_cell_size_per_token(runner.num_effective_layers)),
+                    cell_bytes=int(configurator._cell_size),
                     max_running_requests=int(runner.req_to_token_pool.size))
 
     original = Scheduler.handle_rpc_request
@@ -84,11 +89,11 @@ def _install_rpc() -> None:
         if not recv_req.method.startswith("kvstreams_"):
             return original(self, recv_req)
         try:
-            result = getattr(self, recv_req.method)(**(recv_req.parameters or {}))
-            out = RpcReqOutput(True, json.dumps(result))
+            result = getattr(self, recv_req.method)(**json.loads((recv_req.parameters or {})[RPC_ARGS]))
+            out = RpcReqOutput(success=True, message=json.dumps(result))
         except Exception as e:  # the caller gets the reason; the scheduler keeps running
-            out = RpcReqOutput(False, f"{type(e).__name__}: {e}")
-        scheduler_module.barrier()
+            out = RpcReqOutput(success=False, message=f"{type(e).__name__}: {e}")
+        scheduler_module.barrier(group=self.tp_group.cpu_group)
         return out
 
     Scheduler.kvstreams_evict = kvstreams_evict
@@ -99,16 +104,18 @@ def _install_rpc() -> None:
 
 def _install_kv4rl() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
-    from sglang.srt.mem_cache import common as mem_common
+    from sglang.srt.layers.rotary_embedding import mrope
+    from sglang.srt.mem_cache import allocation
+    from sglang.srt.mem_cache import kv_cache_configurator as configurator_module
     from sglang.srt.model_executor import forward_batch_info
-    from sglang.srt.model_executor import model_runner_kv_cache_mixin as mixin_module
+    from sglang.srt.model_executor import pool_configurator as pool_configurator_module
 
     from .backend import BACKEND_NAME, KV4RLAttnBackend
     from .pool import KV4TokenToKVPool
 
     ATTENTION_BACKENDS[BACKEND_NAME] = KV4RLAttnBackend
 
-    for module in (forward_batch_info, mem_common):
+    for module in (forward_batch_info, allocation, mrope):
         original_support = module.support_triton
 
         def support_triton(backend, _original=original_support):
@@ -118,48 +125,53 @@ def _install_kv4rl() -> None:
 
         module.support_triton = support_triton
 
-    Mixin = mixin_module.ModelRunnerKVCacheMixin
+    Configurator = configurator_module.KVCacheConfigurator
+    DefaultPoolConfigurator = pool_configurator_module.DefaultPoolConfigurator
 
-    def kv4_settings(runner):
-        args = runner.server_args
+    def kv4_settings(kvc):
+        args = kvc.server_args
         return args.kv4rl_sink, args.kv4rl_recent
 
-    def shape(runner, num_layers):
-        from sglang.srt.layers.dp_attention import get_attention_tp_size
+    def shape(kvc, num_layers):
+        from sglang.srt.runtime_context import get_parallel
 
-        return num_layers, runner.model_config.get_num_kv_heads(get_attention_tp_size()), runner.model_config.head_dim
+        return num_layers, kvc.model_config.get_num_kv_heads(get_parallel().attn_tp_size), kvc.model_config.head_dim
 
-    def get_cell_size_per_token(self, num_layers):
-        return KV4TokenToKVPool.cell_size_per_token(*shape(self, num_layers))
+    def _compute_cell_size(self, kvc, num_layers):
+        return KV4TokenToKVPool.cell_size_per_token(*shape(kvc, num_layers))
 
-    original_profile = Mixin.profile_max_num_token
+    original_profile = Configurator._profile_available_bytes
 
-    def profile_max_num_token(self, pre_model_load_memory):
-        tokens = original_profile(self, pre_model_load_memory)
+    def _profile_available_bytes(self, pre_model_load_memory):
+        available = original_profile(self, pre_model_load_memory)
         sink, recent = kv4_settings(self)
-        layers = self.num_effective_layers
-        side = KV4TokenToKVPool.side_bytes(self.server_args.max_running_requests, *shape(self, layers), sink=sink,
+        side = KV4TokenToKVPool.side_bytes(self.server_args.max_running_requests,
+                                           *shape(self, self.layer_info.num_effective_layers), sink=sink,
                                            recent=recent)
-        return max(0, tokens - math.ceil(side / get_cell_size_per_token(self, layers)))
+        return max(0, available - side)
 
-    original_init_pools = Mixin._init_pools
+    original_build = Configurator._build_token_to_kv_pool
 
-    def _init_pools(self):
+    def _build_token_to_kv_pool(self, *, req_to_token_pool, **kwargs):
         sink, recent = kv4_settings(self)
 
-        def make_pool(*args, **kwargs):
-            return KV4TokenToKVPool(*args, sink=sink, recent=recent, num_rows=self.req_to_token_pool.size, **kwargs)
+        def make_pool(*args, post_capture_active=False, **pool_kwargs):
+            if post_capture_active:
+                raise RuntimeError("--kv4rl: post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING) is not "
+                                   "supported")
+            return KV4TokenToKVPool(*args, sink=sink, recent=recent, num_rows=req_to_token_pool.size, **pool_kwargs)
 
-        mha = mixin_module.MHATokenToKVPool
-        mixin_module.MHATokenToKVPool = make_pool
+        mha = configurator_module.MHATokenToKVPool
+        configurator_module.MHATokenToKVPool = make_pool
         try:
-            original_init_pools(self)
+            pool = original_build(self, req_to_token_pool=req_to_token_pool, **kwargs)
         finally:
-            mixin_module.MHATokenToKVPool = mha
-        if not isinstance(self.token_to_kv_pool, KV4TokenToKVPool):
-            raise RuntimeError(f"--kv4rl: this model's KV pool is {type(self.token_to_kv_pool).__name__}, not the "
-                               "MHA pool kv4rl replaces (MLA / hybrid / SWA models are not supported)")
+            configurator_module.MHATokenToKVPool = mha
+        if not isinstance(pool, KV4TokenToKVPool):
+            raise RuntimeError(f"--kv4rl: this model's KV pool is {type(pool).__name__}, not the MHA pool kv4rl "
+                               "replaces (MLA / hybrid / SWA models and page-major layouts are not supported)")
+        return pool
 
-    Mixin.get_cell_size_per_token = get_cell_size_per_token
-    Mixin.profile_max_num_token = profile_max_num_token
-    Mixin._init_pools = _init_pools
+    DefaultPoolConfigurator._compute_cell_size = _compute_cell_size
+    Configurator._profile_available_bytes = _profile_available_bytes
+    Configurator._build_token_to_kv_pool = _build_token_to_kv_pool

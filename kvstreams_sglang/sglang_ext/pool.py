@@ -35,6 +35,7 @@ class KV4TokenToKVPool(MHATokenToKVPool):
         self.k_buffer, self.v_buffer = [], []
         self.k_data_ptrs = self.v_data_ptrs = self.data_ptrs = torch.zeros(0, dtype=torch.uint64)
         self.data_strides = torch.zeros(0, dtype=torch.int64)
+        self._kv_buffer_descs = []  # PD transfer / post-capture backing descriptors: none
 
     def _clear_buffers(self):
         del self.layers

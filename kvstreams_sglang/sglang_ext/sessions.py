@@ -1,12 +1,13 @@
 """In-place eviction for SGLang streaming sessions, and the position offset it leaves.
 
 A streaming session (``open_session(streaming=True)``) keeps one request row of
-``req_to_token`` across turns (``SessionAwareCache.slots[sid]``) and the finished request
-whose ``origin_input_ids + output_ids`` is the session's token list; the next turn is
-prefilled from ``kv_committed_len`` on. Evicting spans therefore means: free the spans'
-KV slots, compact the row (kept slots keep their order), shorten the committed/allocated
-lengths and the token list by the same count, and remember how many positions the row is
-now behind the stream. That count is the session's position offset: the next token's RoPE
+``req_to_token`` across turns (``StreamingSession.slots[sid]``, SGLang 0.5.17) and the
+finished request whose ``origin_input_ids + output_ids`` is the session's token list; the
+next turn is prefilled from ``kv_committed_len`` on. Evicting spans therefore means: free the
+spans' KV slots, compact the row (kept slots keep their order), shorten the committed/allocated
+lengths and the token list by the same count (and the token arrays' lengths the session rolls
+back to, ``Session.committed_*_len``), and remember how many positions the row is now behind
+the stream. That count is the session's position offset: the next token's RoPE
 position is ``row index + offset``, so new tokens keep counting from the stream's position
 and kept KV keeps the position it was computed at (``patches`` adds the offset to
 ``ForwardBatch.positions``).
@@ -16,6 +17,8 @@ Spans are stream (logical) positions, validated exactly as the built-in engine's
 """
 
 from __future__ import annotations
+
+from array import array
 
 import torch
 
@@ -37,19 +40,30 @@ def session_tokens(req) -> list[int]:
     return list(req.origin_input_ids) + list(req.output_ids[:req.sampling_params.max_new_tokens])
 
 
+def _session_slots(tree_cache) -> dict:
+    """The streaming-session slots: on the ``StreamingSession`` wrapper (``--disable-radix-cache``: it wraps a
+    ``ChunkCache``), or on the one a ``UnifiedRadixCache`` embeds."""
+    slots = getattr(tree_cache, "slots", None)
+    if slots is None:
+        slots = getattr(getattr(tree_cache, "session", None), "slots", None)
+    return slots if slots is not None else {}
+
+
 def _session_state(scheduler, session_id: str):
     session = scheduler.session_controller.get(session_id)
     if session is None:
         raise EvictionError(f"session {session_id!r} is not open")
     if not session.streaming:
         raise EvictionError(f"session {session_id!r} is not a streaming session (open it with streaming=True)")
-    slot = getattr(scheduler.tree_cache, "slots", {}).get(session_id)
+    slot = _session_slots(scheduler.tree_cache).get(session_id)
     if slot is None or not slot.is_holding_kv:
         raise EvictionError(f"session {session_id!r} holds no KV yet: run a turn first")
     if len(session.req_nodes) != 1:
         raise EvictionError(f"session {session_id!r} has no finished turn to evict from")
     req = next(iter(session.req_nodes.values())).req
-    if not req.finished():
+    # req_nodes keeps the last finished turn while the next one runs (Session._inflight), whose token arrays are
+    # that turn's, extended in place
+    if not req.finished() or getattr(session, "_inflight", False):
         raise EvictionError(f"session {session_id!r} is generating; evict between turns")
     if slot.cache_protected_len:
         raise EvictionError("kv-streams eviction needs --disable-radix-cache (the session's prefix is shared "
@@ -93,19 +107,23 @@ def evict_session_spans(scheduler, session_id: str, spans) -> dict:
     allocator = scheduler.tree_cache.token_to_kv_pool_allocator
     row = pool.req_to_token[slot.req_pool_idx]
     dev = row.device
-    tail = list(range(n, slot.kv_allocated_len))  # allocated past the committed tokens (none without overlap)
+    tail = list(range(n, slot.kv.kv_allocated_len))  # allocated past the committed tokens (none without overlap)
     order = torch.tensor(keep + tail, dtype=torch.long, device=dev)
     freed = row[torch.tensor(drop, dtype=torch.long, device=dev)].to(torch.int64)
     row[:order.numel()] = row[order].clone()
     allocator.free(freed)
 
     slot.kv_committed_len -= len(drop)
-    slot.kv_allocated_len -= len(drop)
+    slot.kv.kv_allocated_len -= len(drop)
     dropped = set(drop)
     kept_tokens = [t for i, t in enumerate(tokens) if i not in dropped]
-    req.origin_input_ids = kept_tokens
-    req.origin_input_ids_unpadded = list(kept_tokens)
-    req.output_ids = []
+    # the next turn extends these arrays in place (Session._share_token_arrays), after trimming them to the
+    # session's committed lengths: fresh arrays, committed at their full length
+    req.origin_input_ids = array("q", kept_tokens)
+    req.origin_input_ids_unpadded = array("q", kept_tokens)
+    req.full_untruncated_fill_ids = array("q", kept_tokens)
+    req.output_ids = array("q")
+    session.committed_origin_len = session.committed_unpadded_len = session.committed_fill_len = len(kept_tokens)
     setattr(session, POSITIONS_ATTR, [positions[i] for i in keep])
     setattr(session, OFFSET_ATTR, offset + len(drop))
     return session_info(scheduler, session_id) | dict(evicted=len(drop))
