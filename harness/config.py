@@ -8,6 +8,7 @@ values fail before anything starts. Overrides are dotted paths:
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from pathlib import Path
@@ -34,6 +35,13 @@ class TinyModelConfig(Section):
                                            "learnt on the train split's expert episodes")
     vocab_size: int = Field(1024, ge=259, description="bpe: tokens incl. the 256 bytes and 3 specials")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}): "
+                             f"each KV head serves a group of query heads")
+        return self
 
 
 class ModelConfig(Section):
@@ -185,6 +193,12 @@ def check_machine(cfg: Config) -> None:
             raise ConfigError(f"model.path: {path} does not exist (a local Hugging Face checkpoint directory)")
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face checkpoint directory)")
+        try:
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            model_type = None
+        if not model_type:
+            raise ConfigError(f"model.path: {path / 'config.json'} is not a Hugging Face model config (no model_type)")
     device = cfg.inference.device
     if device.startswith("cuda"):
         if not torch.cuda.is_available():

@@ -87,16 +87,19 @@ def claim_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
             raise ConfigError(f"--resume: no checkpoint in {out / 'checkpoints'}")
         return
     used = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if not used:
-        return
-    if not overwrite:
+    if used and not overwrite:
         raise ConfigError(f"run.output_dir {out} already holds a run ({', '.join(used)}): pass --resume to "
                           f"continue it or --overwrite to start over")
     foreign = [name for name in used if name not in RUN_ENTRIES]
     if foreign:
         raise ConfigError(f"--overwrite: {out} is not a run directory (it holds {', '.join(foreign)}); clear it "
                           f"yourself or pick another run.output_dir")
-    shutil.rmtree(out)
+    if used:
+        shutil.rmtree(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run.output_dir: cannot create {out} ({e.strerror})") from None
 
 
 def batch_digest(groups: list[Group]) -> str:

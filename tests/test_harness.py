@@ -36,6 +36,7 @@ needs_a_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason=
     (["--trainer.learning_rate", "1e-6"], "trainer.learning_rate: Extra inputs are not permitted"),
     (["--model.path", "/nonexistent"], "model.path: /nonexistent does not exist"),
     (["--model.path", "configs"], "model.path: configs has no config.json"),
+    (["--model.tiny.num_heads", "3"], "model.tiny: num_heads (3) must be a multiple of num_kv_heads (2)"),
     pytest.param(["--inference.device", "cuda"], "inference.device: cuda, but torch.cuda.is_available() is False",
                  marks=needs_a_cpu_only_machine),
     (["--inference.device", "cuda:99"], "inference.device: cuda:99"),
@@ -59,6 +60,21 @@ def test_bad_config_fails_before_anything_starts(argv, message, capsys, tmp_path
     assert main(["configs/demo.toml", "--run.output_dir", str(tmp_path / "x"), "--run.steps", "1", *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_model_path_without_a_model_config_fails_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert main(["configs/demo.toml", "--run.output_dir", str(tmp_path / "x"), "--model.path",
+                 str(tmp_path / "model")]) == 2
+    assert "is not a Hugging Face model config (no model_type)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_output_dir_that_cannot_be_created_fails_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(tiny_cli(tmp_path / "file" / "run")) == 2
+    assert f"run.output_dir: cannot create {tmp_path / 'file' / 'run'}" in capsys.readouterr().err
 
 
 def test_max_streams_equal_to_the_orchestrators_concurrency_is_enough():
