@@ -77,7 +77,8 @@ def claim_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
     """Refuse, before anything is written, what would mix two runs in one directory: a fresh
     run into a used one would append its steps to the old ``metrics.jsonl`` (steps 0, 0, ...)
     and train the old run's model; ``--resume`` with nothing to resume from would quietly
-    start at step 0. ``overwrite`` clears a used run directory (and nothing else)."""
+    start at step 0. ``overwrite`` clears a used run directory (and nothing else). A fresh run's
+    directory is then created here, so that one that cannot be is a one-line error too."""
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite exclude each other")
     if out.exists() and not out.is_dir():
