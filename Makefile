@@ -6,9 +6,34 @@ PYTHON ?= $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 NEEDS_SETUP := $(if $(filter $(VENV)/bin/python,$(PYTHON)),setup)
 
-.PHONY: setup sglang-cpu serve test lint demo kv4-report bench clean textworld alfworld swe train setup-swe swe-data
+.PHONY: setup system-tools sglang-cpu serve test lint demo kv4-report bench clean textworld alfworld swe train \
+	setup-swe swe-data
 
-setup: $(STAMP)
+setup: system-tools $(STAMP)
+
+# System tools the tests need: bubblewrap (the SWE jail), git and patch (SWE tasks, SWE-bench grading), setpriv and
+# unshare (util-linux; as root the jail drops to nobody with them). Missing ones are installed when this runs as
+# root with apt; otherwise the command to run is printed and setup goes on (the SWE tests then skip). STRICT=1
+# fails instead (CI, setup-swe). Entries are command=package.
+SYSTEM_TOOLS ?= bwrap=bubblewrap git=git patch=patch setpriv=util-linux unshare=util-linux
+APT_GET ?= apt-get
+STRICT ?=
+missing_packages = for t in $(SYSTEM_TOOLS); do command -v "$${t%%=*}" >/dev/null || echo "$${t\#*=}"; done | sort -u | xargs
+
+system-tools:
+	@missing=$$($(missing_packages)); \
+	if [ -n "$$missing" ] && [ "$$(id -u)" -eq 0 ] && command -v $(firstword $(APT_GET)) >/dev/null; then \
+		echo "installing system tools: $$missing"; \
+		$(APT_GET) update -qq && DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -qq $$missing; \
+		missing=$$($(missing_packages)); \
+	fi; \
+	if [ -n "$$missing" ]; then \
+		sudo=$$([ "$$(id -u)" -eq 0 ] || echo "sudo "); \
+		echo "system tools missing: $$missing. Install them with:" >&2; \
+		echo "    $${sudo}apt-get install -y $$missing" >&2; \
+		command -v apt-get >/dev/null || echo "    (no apt here: the same packages from your distribution)" >&2; \
+		[ -z "$(STRICT)" ]; \
+	fi
 
 # torch goes in first and pinned, so pip takes the local CPU wheel instead of pulling a CUDA build
 # as a dependency of the package; the stamp makes a repeated `make setup` a no-op.
@@ -52,7 +77,7 @@ textworld alfworld swe: $(NEEDS_SETUP)
 
 # SWE tasks offline: system tools for the sandbox, then build and validate the task set
 setup-swe:
-	apt-get update && apt-get install -y bubblewrap git patch
+	$(MAKE) system-tools STRICT=1
 
 swe-data: $(NEEDS_SETUP)
 	$(PYTHON) -m envs.swe.build --libs toolz,cachetools,parse,tabulate,boltons --per-lib 40 --max-per-function 2 --out data/swe

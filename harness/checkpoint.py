@@ -2,15 +2,31 @@
 
 Each checkpoint is one file written to a temporary name, fsynced and renamed into place
 (``os.replace`` is atomic on POSIX); ``latest`` is updated the same way afterwards.
+
+A checkpoint can still go bad after it was written (a full disk, a copy cut short, a
+hand edit): loading checks each file and falls back to the newest intact one, saying
+which file was skipped and why, instead of surfacing whatever the unpickler hit
+(``MemoryError`` on a garbage frame length, ``EOFError``, ``IsADirectoryError``...).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
+import re
+import zipfile
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"step_(\d{6,})\.pt")
+
+
+class CorruptCheckpoint(RuntimeError):
+    """A checkpoint file that cannot be loaded; the message names the file and what is wrong."""
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -45,9 +61,77 @@ def save(directory: str | Path, step: int, payload: dict) -> Path:
     return path
 
 
-def load_latest(directory: str | Path) -> dict | None:
-    directory = Path(directory)
+def read(path: Path) -> dict:
+    """One checkpoint's payload, or ``CorruptCheckpoint`` naming the file.
+
+    ``torch.save`` writes a zip archive; anything else (truncated: no central directory at
+    the end; overwritten) is refused before the unpickler sees it, since garbage can make it
+    allocate a made-up frame length."""
+    if not path.is_file():
+        raise CorruptCheckpoint(f"checkpoint {path} is {'not a file' if path.exists() else 'missing'}")
+    if not zipfile.is_zipfile(path):
+        raise CorruptCheckpoint(f"checkpoint {path} is not a torch checkpoint (truncated or overwritten: "
+                                f"{path.stat().st_size} bytes, no zip directory)")
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as e:  # a damaged member passes the zip check; torch and pickle raise many kinds
+        raise CorruptCheckpoint(f"checkpoint {path} cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
+        raise CorruptCheckpoint(f"checkpoint {path} does not hold a step and an RNG state (not written by save)")
+    return state
+
+
+def _step_files(directory: Path) -> list[Path]:
+    """``step_*.pt`` entries, newest step first (files or not: a directory in place of one is
+    reported, not skipped silently)."""
+    named = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.fullmatch(p.name))]
+    return [p for _, p in sorted(named, reverse=True)]
+
+
+def _pointed(directory: Path) -> Path | None:
+    """The checkpoint ``latest`` names, or None (with a warning) when it names none usable."""
     pointer = directory / "latest"
     if not pointer.exists():
         return None
-    return torch.load(directory / pointer.read_text().strip(), weights_only=False)
+    try:
+        name = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        log.warning("checkpoint pointer %s is unreadable (%s); using the newest step file", pointer, e)
+        return None
+    if not _NAME.fullmatch(name):
+        log.warning("checkpoint pointer %s names %r, not a step_NNNNNN.pt file; using the newest step file",
+                    pointer, name)
+        return None
+    return directory / name
+
+
+def load_latest(directory: str | Path) -> dict | None:
+    """The newest intact checkpoint: the one ``latest`` names, else the highest step that loads.
+
+    None when there is no checkpoint at all; ``CorruptCheckpoint`` listing every file when
+    there are some and none loads. Each file skipped is logged with why."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    pointed = _pointed(directory)
+    candidates = ([pointed] if pointed is not None else []) + [p for p in _step_files(directory) if p != pointed]
+    if not candidates:
+        return None
+    problems = []
+    for path in candidates:
+        try:
+            state = read(path)
+        except CorruptCheckpoint as e:
+            problems.append(f"{e} (named by {directory / 'latest'})" if path == pointed else str(e))
+            log.warning("%s", problems[-1])
+            continue
+        if path != pointed:
+            log.warning("falling back to %s, the newest intact checkpoint", path)
+        return state
+    raise CorruptCheckpoint(f"no intact checkpoint in {directory}: " + "; ".join(problems))
+
+
+def has_checkpoint(directory: str | Path) -> bool:
+    """Whether ``directory`` holds anything to resume from (intact or not: loading says which)."""
+    directory = Path(directory)
+    return directory.is_dir() and (bool(_step_files(directory)) or (directory / "latest").exists())

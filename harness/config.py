@@ -8,12 +8,15 @@ values fail before anything starts. Overrides are dotted paths:
 
 from __future__ import annotations
 
+import json
+import math
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from envs.registry import options_model
 from envs.rollout.compaction import CompactionConfig
 
 
@@ -32,6 +35,13 @@ class TinyModelConfig(Section):
                                            "learnt on the train split's expert episodes")
     vocab_size: int = Field(1024, ge=259, description="bpe: tokens incl. the 256 bytes and 3 specials")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads(self) -> TinyModelConfig:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads}): "
+                             f"each KV head serves a group of query heads")
+        return self
 
 
 class ModelConfig(Section):
@@ -68,6 +78,15 @@ class EnvironmentConfig(Section):
     eval_split: str = "eval"
     num_eval: int = Field(16, ge=0)
 
+    @field_validator("options")
+    @classmethod
+    def _options(cls, options: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Checked against the environment's own options model now, not when the task set is
+        built after the run directory, the model and the engine are."""
+        if "name" in info.data:  # else the name's own error is reported
+            options_model(info.data["name"]).model_validate(options)
+        return options
+
 
 class OrchestratorConfig(Section):
     group_size: int = Field(8, ge=1, description="rollouts per task (G)")
@@ -84,11 +103,14 @@ class OrchestratorConfig(Section):
                                       "(unfinished) episodes under the new policy, as KV4-RL does; default: keep it")
 
 
+Beta = Annotated[float, Field(ge=0, lt=1, description="an Adam moment's decay rate")]
+
+
 class TrainerConfig(Section):
     lr: float = Field(1e-6, gt=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up (optimizer steps)")
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[Beta, Beta] = (0.9, 0.999)
     grad_clip: float = Field(1.0, gt=0)
     kl_coef: float = Field(0.001, ge=0)
     tis_cap: float = Field(5.0, gt=0, description="truncated importance sampling cap C")
@@ -137,11 +159,62 @@ class Config(Section):
         if c.budget is not None and c.budget > self.orchestrator.max_tokens:
             raise ValueError(f"compaction.budget ({c.budget}) exceeds orchestrator.max_tokens "
                              f"({self.orchestrator.max_tokens})")
+        o, running = self.orchestrator, running_episodes(self)
+        if i.engine == "builtin" and i.max_streams < running:
+            raise ValueError(f"inference.max_streams ({i.max_streams}) is below the {running} episodes the "
+                             f"orchestrator keeps running (group_size {o.group_size} x ceil(groups_per_step "
+                             f"{o.groups_per_step} x oversubscription {o.oversubscription}), one engine stream "
+                             f"each): raise it or run fewer groups")
         return self
+
+
+def running_episodes(cfg: Config) -> int:
+    """Episodes, hence open engine streams, a run holds at once: the orchestrator keeps
+    ``ceil(T x oversubscription)`` groups of ``G`` in flight (``Orchestrator.target_groups``),
+    an episode holds one stream at a time (re-prefill closes before it reopens), and nothing
+    else shares the run's engine (held-out evaluation builds its own, bounded by max_streams)."""
+    o = cfg.orchestrator
+    return o.group_size * math.ceil(o.groups_per_step * o.oversubscription)
 
 
 class ConfigError(ValueError):
     """A configuration that cannot run; the message says which key and why."""
+
+
+def check_machine(cfg: Config) -> None:
+    """What the schema cannot know: whether this machine has the model checkpoint and the
+    device the config names. Kept apart from validation so that a config validates anywhere
+    (CI checks the GPU configs on a CPU box); a run calls it before it writes anything."""
+    import torch
+
+    if cfg.model.path is not None:
+        path = Path(cfg.model.path)
+        if not path.exists():
+            raise ConfigError(f"model.path: {path} does not exist (a local Hugging Face checkpoint directory)")
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.path: {path} has no config.json (not a Hugging Face checkpoint directory)")
+        try:
+            model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        except (ValueError, AttributeError):
+            model_type = None
+        if not model_type:
+            raise ConfigError(f"model.path: {path / 'config.json'} is not a Hugging Face model config (no model_type)")
+    device = cfg.inference.device
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"inference.device: {device}, but torch.cuda.is_available() is False on this machine "
+                              f"(no GPU, or a CPU-only torch); use 'cpu' or 'auto'")
+        index = int(device.partition(":")[2] or 0)
+        if index >= torch.cuda.device_count():
+            raise ConfigError(f"inference.device: {device}, but this machine has {torch.cuda.device_count()} CUDA "
+                              f"device(s)")
+
+
+def _message(error: dict) -> str:
+    """Pydantic's message, without the "Value error, " it puts before our own checks' text."""
+    if error["type"] == "value_error":
+        return str(error["ctx"]["error"])
+    return error["msg"]
 
 
 def _parse_value(text: str) -> Any:
@@ -193,5 +266,6 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None, *, 
     try:
         return schema.model_validate(data)
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(x) for x in err['loc']) or '(root)'}: {err['msg']}" for err in e.errors()]
+        lines = [f"  {'.'.join(str(x) for x in err['loc'])}: {_message(err)}" if err["loc"] else f"  {_message(err)}"
+                 for err in e.errors()]
         raise ConfigError(f"invalid config{f' {path}' if path else ''}:\n" + "\n".join(lines)) from None

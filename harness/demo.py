@@ -37,7 +37,7 @@ from envs.registry import make_taskset
 from kvstreams_sglang.streams import FullPrecisionPool, KV4Pool
 
 from . import checkpoint
-from .config import Config, ConfigError, Section, TrainerConfig, load_config
+from .config import Config, ConfigError, Section, TrainerConfig, check_machine, load_config
 from .evaluate import EvalResult, episode_config, evaluate, make_engine
 from .metrics import MetricsLog
 from .run import prepare_model, resolve_device, run
@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     path, overrides = (argv[0], argv[1:]) if argv and not argv[0].startswith("--") else (None, argv)
     try:
         cfg = load_demo_config(path, overrides)
+        check_machine(cfg)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""Entry point: ``python -m harness.run CONFIG.toml [--section.key value ...] [--resume]``.
+"""Entry point: ``python -m harness.run CONFIG.toml [--section.key value ...] [--resume | --overwrite]``.
 
 Wires the three roles of prime-rl's layout: inference (the built-in engine; SGLang
 through the same client), the orchestrator (asyncio rollouts) and the trainer (FSDP2).
@@ -7,6 +7,10 @@ keep going, unless ``--no-overlap``), push the weights to the engine without tou
 KV, log metrics, checkpoint at a drained point. One process, or ``torchrun
 --nproc-per-node N -m harness.run ...``: N trainer ranks, rank 0 also running the
 orchestrator and the engine on ``inference.device`` (see ``distributed.py``).
+
+Everything that can be checked up front is, before the run directory is touched: the config
+(``config.py``), the machine (model checkpoint, device), and the run directory itself (a
+fresh run needs an unused one, ``--resume`` a checkpoint in it).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,7 +32,7 @@ from envs.registry import make_taskset
 from envs.rollout.chat import ChatRenderer
 
 from . import checkpoint
-from .config import Config, ConfigError, load_config
+from .config import Config, ConfigError, check_machine, load_config
 from .distributed import TrainerGroup, follow, on_device, trainer_device
 from .inference import make_inference
 from .loss import group_advantages
@@ -62,6 +67,40 @@ def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
                          num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
                          vocab=t.vocab, corpus=corpus, vocab_size=t.vocab_size, seed=t.seed)
     return str(path)
+
+
+# What a run writes into run.output_dir (metrics.tmp: MetricsLog.truncate_after's, weights: the SGLang engine's)
+RUN_ENTRIES = {"config.json", "model", "metrics.jsonl", "metrics.tmp", "metrics.png", "checkpoints", "weights"}
+
+
+def claim_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """Refuse, before anything is written, what would mix two runs in one directory: a fresh
+    run into a used one would append its steps to the old ``metrics.jsonl`` (steps 0, 0, ...)
+    and train the old run's model; ``--resume`` with nothing to resume from would quietly
+    start at step 0. ``overwrite`` clears a used run directory (and nothing else). A fresh run's
+    directory is then created here, so that one that cannot be is a one-line error too."""
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite exclude each other")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"run.output_dir {out} is a file, not a directory")
+    if resume:
+        if not checkpoint.has_checkpoint(out / "checkpoints"):
+            raise ConfigError(f"--resume: no checkpoint in {out / 'checkpoints'}")
+        return
+    used = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if used and not overwrite:
+        raise ConfigError(f"run.output_dir {out} already holds a run ({', '.join(used)}): pass --resume to "
+                          f"continue it or --overwrite to start over")
+    foreign = [name for name in used if name not in RUN_ENTRIES]
+    if foreign:
+        raise ConfigError(f"--overwrite: {out} is not a run directory (it holds {', '.join(foreign)}); clear it "
+                          f"yourself or pick another run.output_dir")
+    if used:
+        shutil.rmtree(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run.output_dir: cannot create {out} ({e.strerror})") from None
 
 
 def batch_digest(groups: list[Group]) -> str:
@@ -100,9 +139,18 @@ def step_metrics(step: int, groups: list[Group], train: dict, timing: dict, orch
 
 
 def build_trainer(cfg: Config, *, resume: bool) -> tuple[Trainer, str, dict | None]:
-    """Every rank: join the process group, load the model (rank 0 builds it first), restore
-    the trainer's part of the latest checkpoint when resuming."""
+    """Every rank: read the latest intact checkpoint when resuming (before writing anything),
+    join the process group, load the model (rank 0 builds it first), restore the trainer's
+    part of the checkpoint."""
     out = Path(cfg.run.output_dir)
+    state = None
+    if resume:
+        try:
+            state = checkpoint.load_latest(out / "checkpoints")
+        except checkpoint.CorruptCheckpoint as e:
+            raise ConfigError(f"--resume: {e}") from None
+        if state is None:
+            raise ConfigError(f"--resume: no checkpoint in {out / 'checkpoints'}")
     device = trainer_device(resolve_device(cfg.inference.device))
     init_distributed(device)
     if dist.get_rank() == 0:
@@ -113,7 +161,6 @@ def build_trainer(cfg: Config, *, resume: bool) -> tuple[Trainer, str, dict | No
     model_path = prepare_model(cfg, out, build=False)
     torch.manual_seed(cfg.run.seed)
     trainer = Trainer(model_path, cfg.trainer, device)
-    state = checkpoint.load_latest(out / "checkpoints") if resume else None
     if state is not None:
         with on_device(device):
             trainer.load_checkpoint_state(state["trainer"])
@@ -128,12 +175,13 @@ async def sync_weights(inference, trainer: TrainerGroup, orch: Orchestrator, ver
     return await orch.client.reprefill_streams() if reprefill else 0
 
 
-async def run(cfg: Config, *, resume: bool = False, overlap: bool = True) -> list[dict]:
+async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, overlap: bool = True) -> list[dict]:
     """Rank 0 (or the only process): orchestrator, engine and the trainer group's lead."""
     from rich.progress import Progress
     from transformers import AutoTokenizer
 
     out = Path(cfg.run.output_dir)
+    claim_output_dir(out, resume=resume, overwrite=overwrite)
     trainer_rank0, model_path, state = build_trainer(cfg, resume=resume)
     trainer = TrainerGroup(trainer_rank0)
     device = resolve_device(cfg.inference.device)
@@ -192,18 +240,20 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", help="TOML config (defaults apply when omitted)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run.output_dir")
+    p.add_argument("--overwrite", action="store_true", help="clear a used run.output_dir and start over")
     p.add_argument("--no-overlap", action="store_true", help="train inline (deterministic, no rollout overlap)")
     args, overrides = p.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
+        check_machine(cfg)
+        if int(os.environ.get("RANK", 0)) > 0:  # a torchrun follower: trains what rank 0 announces
+            trainer, _, _ = build_trainer(cfg, resume=args.resume)
+            follow(trainer)
+        else:  # rank 0 claims the run directory for every rank (torchrun ends them all if it refuses)
+            asyncio.run(run(cfg, resume=args.resume, overwrite=args.overwrite, overlap=not args.no_overlap))
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if int(os.environ.get("RANK", 0)) > 0:  # a torchrun follower: trains what rank 0 announces
-        trainer, _, _ = build_trainer(cfg, resume=args.resume)
-        follow(trainer)
-    else:
-        asyncio.run(run(cfg, resume=args.resume, overlap=not args.no_overlap))
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.destroy_process_group()
     return 0

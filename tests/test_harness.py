@@ -26,16 +26,181 @@ def small(tmp_path, name, *extra):
         "--compaction.max_turns", "2", "--compaction.stride", "1", *extra])
 
 
+needs_a_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
 @pytest.mark.parametrize("argv,message", [
     (["--compaction.strategy", "windowed"], "compaction.strategy"),
     (["--compaction.budget", "-1"], "compaction.budget"),
     (["--inference.kv_dtype", "kv4rl", "--compaction.budget", "100"], "sink + inference.recent"),
     (["--trainer.learning_rate", "1e-6"], "trainer.learning_rate: Extra inputs are not permitted"),
+    (["--model.path", "/nonexistent"], "model.path: /nonexistent does not exist"),
+    (["--model.path", "configs"], "model.path: configs has no config.json"),
+    (["--model.tiny.num_heads", "3"], "model.tiny: num_heads (3) must be a multiple of num_kv_heads (2)"),
+    pytest.param(["--inference.device", "cuda"], "inference.device: cuda, but torch.cuda.is_available() is False",
+                 marks=needs_a_cpu_only_machine),
+    (["--inference.device", "cuda:99"], "inference.device: cuda:99"),
+    (["--trainer.betas", "[2,3]"], "trainer.betas.0: Input should be less than 1"),
+    (["--trainer.betas", "[0.9,1.0]"], "trainer.betas.1: Input should be less than 1"),
+    (["--trainer.betas", "[-0.1,0.9]"], "trainer.betas.0: Input should be greater than or equal to 0"),
+    (["--environment.options.bogus", "1"], "environment.options.bogus: Extra inputs are not permitted"),
+    (["--environment.options.rooms", "many"], "environment.options.rooms: Input should be a valid integer"),
+    (["--environment.options.doors", "up"], "environment.options.doors"),
+    (["--environment.name", "textworld", "--environment.options", "{bogus = 1}"],
+     "environment.options.bogus: Extra inputs are not permitted"),
+    (["--environment.name", "alfworld", "--environment.options", "{bogus = 1}"],
+     "environment.options.bogus: Extra inputs are not permitted"),
+    (["--environment.name", "swe", "--environment.options", "{workspaces = 'repos'}"],
+     "environment.options.instances: Field required"),
+    (["--inference.max_streams", "32"], "inference.max_streams (32) is below the 64 episodes"),
+    (["--orchestrator.oversubscription", "2.1"], "inference.max_streams (64) is below the 72 episodes"),
 ])
 def test_bad_config_fails_before_anything_starts(argv, message, capsys, tmp_path):
-    assert main(["configs/demo.toml", "--run.output_dir", str(tmp_path / "x"), *argv]) == 2
+    """One line naming the key, exit status 2, and nothing written (no run directory)."""
+    assert main(["configs/demo.toml", "--run.output_dir", str(tmp_path / "x"), "--run.steps", "1", *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_model_path_without_a_model_config_fails_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    assert main(["configs/demo.toml", "--run.output_dir", str(tmp_path / "x"), "--model.path",
+                 str(tmp_path / "model")]) == 2
+    assert "is not a Hugging Face model config (no model_type)" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_an_output_dir_that_cannot_be_created_fails_before_anything_starts(tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main(tiny_cli(tmp_path / "file" / "run")) == 2
+    assert f"run.output_dir: cannot create {tmp_path / 'file' / 'run'}" in capsys.readouterr().err
+
+
+def test_max_streams_equal_to_the_orchestrators_concurrency_is_enough():
+    """configs/demo.toml keeps 8 x ceil(4 x 2.0) = 64 episodes running: 64 streams hold them."""
+    from harness.config import running_episodes
+
+    cfg = load_config(os.path.join(ROOT, "configs/demo.toml"))
+    assert cfg.inference.max_streams == 64 == running_episodes(cfg)
+
+
+def tiny_cli(out, *extra):
+    """A one-step CLI run at the smallest size (a few seconds)."""
+    return ["configs/demo.toml", "--run.output_dir", str(out), "--run.steps", "1", "--orchestrator.group_size", "2",
+            "--orchestrator.groups_per_step", "1", "--orchestrator.max_turns", "2", "--orchestrator.env_in_thread",
+            "false", "--no-overlap", *extra]
+
+
+def metric_steps(out):
+    return [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_fresh_run_refuses_a_used_output_dir_unless_told_to_overwrite(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(tiny_cli(out)) == 0
+    assert metric_steps(out) == [0]
+    capsys.readouterr()
+    assert main(tiny_cli(out)) == 2  # before: ran again and appended, steps [0, 0]
+    err = capsys.readouterr().err
+    assert f"run.output_dir {out} already holds a run" in err and "--resume" in err and "--overwrite" in err
+    assert metric_steps(out) == [0]
+    assert main(tiny_cli(out, "--overwrite")) == 0
+    assert metric_steps(out) == [0]
+
+
+def test_overwrite_refuses_to_clear_a_directory_that_is_not_a_run(tmp_path, capsys):
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(tiny_cli(tmp_path, "--overwrite")) == 2
+    assert "not a run directory" in capsys.readouterr().err and (tmp_path / "notes.txt").exists()
+
+
+@pytest.mark.parametrize("prepare", ["missing dir", "empty dir", "no checkpoints"])
+def test_resume_without_a_checkpoint_says_so_and_fails(prepare, tmp_path, capsys):
+    out = tmp_path / "run"
+    if prepare != "missing dir":
+        out.mkdir()
+    if prepare == "no checkpoints":
+        (out / "metrics.jsonl").write_text("")
+        (out / "checkpoints").mkdir()
+    assert main(tiny_cli(out, "--resume")) == 2  # before: started silently at step 0
+    assert f"--resume: no checkpoint in {out / 'checkpoints'}" in capsys.readouterr().err
+    assert not (out / "config.json").exists()
+
+
+def test_resume_and_overwrite_exclude_each_other(tmp_path, capsys):
+    assert main(tiny_cli(tmp_path / "run", "--resume", "--overwrite")) == 2
+    assert "--resume and --overwrite" in capsys.readouterr().err
+
+
+def save_checkpoints(directory, steps):
+    from harness import checkpoint
+
+    for step in steps:
+        checkpoint.save(directory, step, {"trainer": {"w": torch.full((64,), float(step))}, "orchestrator": {}})
+
+
+CORRUPTIONS = {
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 2]),
+    "garbage bytes": lambda p: p.write_bytes(os.urandom(4096)),
+    "a pickle frame of 2**62 bytes": lambda p: p.write_bytes(b"\x80\x04\x95" + (2**62).to_bytes(8, "little")),
+    "empty": lambda p: p.write_bytes(b""),
+    "a directory": lambda p: (p.unlink(), p.mkdir()),
+    "missing": lambda p: p.unlink(),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_intact_one(corruption, tmp_path, caplog):
+    from harness import checkpoint
+
+    save_checkpoints(tmp_path, [2, 4, 6])
+    bad = tmp_path / "step_000006.pt"
+    CORRUPTIONS[corruption](bad)
+    with caplog.at_level("WARNING", logger="harness.checkpoint"):
+        state = checkpoint.load_latest(tmp_path)
+    assert state["step"] == 4 and state["trainer"]["w"][0] == 4
+    assert f"checkpoint {bad} " in caplog.text  # the file is named, with what is wrong with it
+    assert f"falling back to {tmp_path / 'step_000004.pt'}" in caplog.text
+
+
+@pytest.mark.parametrize("pointer", ["step_000009.pt", "", "../../etc/passwd", "a directory"])
+def test_a_bad_latest_pointer_falls_back_to_the_newest_intact_checkpoint(pointer, tmp_path, caplog):
+    from harness import checkpoint
+
+    save_checkpoints(tmp_path, [2, 4])
+    latest = tmp_path / "latest"
+    if pointer == "a directory":
+        latest.unlink()
+        latest.mkdir()
+    else:
+        latest.write_text(pointer)
+    with caplog.at_level("WARNING", logger="harness.checkpoint"):
+        state = checkpoint.load_latest(tmp_path)
+    assert state["step"] == 4
+    assert f"{latest}" in caplog.text and f"falling back to {tmp_path / 'step_000004.pt'}" in caplog.text
+
+
+def test_no_checkpoint_is_none_and_only_corrupt_ones_an_error_naming_each(tmp_path):
+    from harness import checkpoint
+
+    assert checkpoint.load_latest(tmp_path / "absent") is None
+    save_checkpoints(tmp_path, [2, 4])
+    for step, corruption in ((2, "truncated"), (4, "garbage bytes")):
+        CORRUPTIONS[corruption](tmp_path / f"step_{step:06d}.pt")
+    with pytest.raises(checkpoint.CorruptCheckpoint, match=f"no intact checkpoint in {tmp_path}") as e:
+        checkpoint.load_latest(tmp_path)
+    assert str(tmp_path / "step_000002.pt") in str(e.value) and str(tmp_path / "step_000004.pt") in str(e.value)
+
+
+def test_resume_from_only_corrupt_checkpoints_names_them_and_fails(tmp_path, capsys):
+    out = tmp_path / "run"
+    save_checkpoints(out / "checkpoints", [1])
+    CORRUPTIONS["truncated"](out / "checkpoints" / "step_000001.pt")
+    assert main(tiny_cli(out, "--resume")) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint {out / 'checkpoints' / 'step_000001.pt'} " in err
+    assert f"--resume: no intact checkpoint in {out / 'checkpoints'}" in err
 
 
 def test_group_advantages_are_normalised_within_the_group():

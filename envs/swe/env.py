@@ -148,6 +148,19 @@ class SweEnv:
         self.workspace = self.session = self.harness = None
 
 
+class SweTaskSetOptions(BaseModel):
+    """``environment.options`` of an SWE run: ``SweTaskSet``'s arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    instances: Path = Field(description="instances JSONL (make swe-data writes data/swe/instances.jsonl)")
+    workspaces: Path = Field(description="task repositories (make swe-data writes data/swe/repos)")
+    eval_fraction: float = Field(0.1, ge=0, le=1)
+    seed: int = 0
+    config: SweEnvConfig | None = None
+    limits: Limits | None = None
+
+
 class SweTaskSet:
     """Instances from a JSONL file (or a list), split into train/eval by a seeded shuffle."""
 

@@ -1,5 +1,5 @@
 """A small multi-turn toy environment a tiny model can learn on a CPU in minutes."""
 
-from .corridor import Corridor, CorridorTasks
+from .corridor import Corridor, CorridorOptions, CorridorTasks
 
-__all__ = ["Corridor", "CorridorTasks"]
+__all__ = ["Corridor", "CorridorOptions", "CorridorTasks"]

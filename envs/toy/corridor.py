@@ -13,6 +13,9 @@ the quickest signal for a learning check; ``"random"`` makes it read the hint.
 from __future__ import annotations
 
 import random
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from ..rollout.protocol import StepResult, Task
 
@@ -62,6 +65,17 @@ class Corridor:
 
     def close(self) -> None:
         pass
+
+
+class CorridorOptions(BaseModel):
+    """``environment.options`` of a toy run: ``CorridorTasks``'s arguments."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rooms: int = Field(3, ge=1)
+    num_train: int = Field(1000, ge=0)
+    num_eval: int = Field(64, ge=0)
+    doors: Literal["random", "left"] = Field("random", description="random: read the hint; left: always left")
 
 
 class CorridorTasks:
