@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .trainer import Trainer, TrainSample
+from .trainer import Trainer, TrainSample, shard_batch
 
 
 def launched_by_torchrun() -> bool:
@@ -41,18 +41,19 @@ def on_device(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
-class TrainerGroup:
-    """Rank 0's handle on the trainer ranks: the ``Trainer`` calls, each announced first."""
+class TrainerRanks:
+    """Rank 0's handle on the trainer ranks: the ``Trainer`` calls, each announced first. A train
+    step's batch is sharded here (``shard_batch``) and each rank receives only its share."""
 
     def __init__(self, trainer: Trainer):
         self.trainer = trainer
         self.world = dist.get_world_size()
         # every rank creates the side group, in the same order (new_group is collective)
-        self.group = dist.new_group(backend="gloo") if self.world > 1 else None
+        self.side_group = dist.new_group(backend="gloo") if self.world > 1 else None
 
     def _announce(self, verb: str, payload: Any = None) -> None:
-        if self.group is not None:
-            dist.broadcast_object_list([(verb, payload)], src=0, group=self.group)
+        if self.side_group is not None:
+            dist.broadcast_object_list([(verb, payload)], src=0, group=self.side_group)
 
     def _call(self, verb: str, fn: Callable, *args):
         with on_device(self.trainer.device):
@@ -60,7 +61,12 @@ class TrainerGroup:
             return fn(*args)
 
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        return self._call("train", self.trainer.train_step, samples)
+        shards = shard_batch(samples, self.world, self.trainer.config.loss_norm)
+        if shards is None:
+            return {"loss_tokens": 0.0}
+        with on_device(self.trainer.device):
+            self._announce("train")
+            return self.trainer.train_step(scatter_shards(shards, self.side_group))
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         return self._call("weights", self.trainer.engine_weights)
@@ -72,15 +78,27 @@ class TrainerGroup:
         self._announce("stop")
 
 
+def scatter_shards(shards: list[list[TrainSample]] | None, side_group) -> list[TrainSample]:
+    """This rank's shard: rank 0 holds them all and sends each rank its own (ranks > 0 pass None)."""
+    if side_group is None:
+        return shards[0]
+    box: list[Any] = [None]
+    dist.scatter_object_list(box, shards, src=0, group=side_group)
+    return box[0]
+
+
 def follow(trainer: Trainer) -> None:
     """The loop of ranks > 0: do what rank 0 announces until it says stop."""
-    group = dist.new_group(backend="gloo")
-    calls = {"train": trainer.train_step, "weights": trainer.engine_weights, "checkpoint": trainer.checkpoint_state}
+    side_group = dist.new_group(backend="gloo")
+    calls = {"weights": trainer.engine_weights, "checkpoint": trainer.checkpoint_state}
     while True:
         box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=group)
+        dist.broadcast_object_list(box, src=0, group=side_group)
         verb, payload = box[0]
         if verb == "stop":
             return
         with on_device(trainer.device):
-            calls[verb](*(() if payload is None else (payload,)))
+            if verb == "train":
+                trainer.train_step(scatter_shards(None, side_group))
+            else:
+                calls[verb](*(() if payload is None else (payload,)))

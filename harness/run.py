@@ -33,7 +33,7 @@ from envs.rollout.chat import ChatRenderer
 
 from . import checkpoint
 from .config import Config, ConfigError, check_machine, load_config
-from .distributed import TrainerGroup, follow, on_device, trainer_device
+from .distributed import TrainerRanks, follow, on_device, trainer_device
 from .inference import make_inference
 from .loss import group_advantages
 from .metrics import MetricsLog
@@ -167,7 +167,7 @@ def build_trainer(cfg: Config, *, resume: bool) -> tuple[Trainer, str, dict | No
     return trainer, model_path, state
 
 
-async def sync_weights(inference, trainer: TrainerGroup, orch: Orchestrator, version: int, reprefill: bool) -> int:
+async def sync_weights(inference, trainer: TrainerRanks, orch: Orchestrator, version: int, reprefill: bool) -> int:
     """Push the trainer's weights to the engine; the KV of running streams is kept, unless
     ``reprefill``: then carried episodes' KV is recomputed under the new policy (KV4-RL's
     choice). Returns the tokens recomputed."""
@@ -183,7 +183,7 @@ async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, ove
     out = Path(cfg.run.output_dir)
     claim_output_dir(out, resume=resume, overwrite=overwrite)
     trainer_rank0, model_path, state = build_trainer(cfg, resume=resume)
-    trainer = TrainerGroup(trainer_rank0)
+    trainer = TrainerRanks(trainer_rank0)
     device = resolve_device(cfg.inference.device)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # this thread drives the engine

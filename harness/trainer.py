@@ -33,10 +33,45 @@ from .config import TrainerConfig
 from .loss import policy_loss, token_weights
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainSample:
     record: StreamRecord
     advantage: float
+    weight: float = 0.0  # the weight of each of its loss tokens in the global batch (``shard_batch`` sets it)
+
+
+def shard_batch(samples: list[TrainSample], world: int, loss_norm: str) -> list[list[TrainSample]] | None:
+    """The batch split over ``world`` data-parallel ranks before it reaches them: rank ``r`` scores
+    ``samples[r::world]``, each sample carrying its tokens' weight in the *global* batch
+    (``token_weights``), so every rank's loss is already a share of one global mean. Every rank
+    gets the same number of samples (FSDP's collectives run once per forward): a short rank's
+    padding is a zero-weight copy. None when the batch has no loss token."""
+    lengths = [sum(s.record.loss_mask) for s in samples]
+    if not sum(lengths):
+        return None
+    weighted = [dataclasses.replace(s, weight=w) for s, w in zip(samples, token_weights(lengths, loss_norm),
+                                                                  strict=True)]
+    per_rank = -(-len(weighted) // world)
+    pad = dataclasses.replace(weighted[0], weight=0.0)
+    return [weighted[r::world] + [pad] * (per_rank - len(weighted[r::world])) for r in range(world)]
+
+
+class WarmupSchedule:
+    """The learning rate at each optimizer step: linear warm-up over ``warmup_steps``, then
+    constant. Adam's first steps move every weight by about the full learning rate whatever the
+    gradient's signal-to-noise (the moment estimates are one noisy sample): RL gradients are
+    mostly noise, so full-size early steps drain probability from every sampled token."""
+
+    def __init__(self, lr: float, warmup_steps: int):
+        self.lr, self.warmup_steps = lr, warmup_steps
+
+    def __call__(self, step: int) -> float:
+        w = self.warmup_steps
+        return self.lr * min(1.0, (step + 1) / w) if w else self.lr
+
+
+METRIC_SUMS = ("mismatch_abs", "mismatch_kl_k3", "tis_clipped", "kl_ref", "tokens", "entropy", "onpolicy_mismatch_abs",
+               "onpolicy_tokens")
 
 
 def free_port() -> int:
@@ -82,83 +117,87 @@ class Trainer:
         self.ref.requires_grad_(False)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, betas=config.betas,
                                            weight_decay=config.weight_decay)
+        self.schedule = WarmupSchedule(config.lr, config.warmup_steps)
         self.step_count = 0
 
-    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """One optimizer step on the whole batch. Data parallel: rank ``r`` scores
-        ``samples[r::world]``; the loss is a mean over the *global* loss tokens, scaled by
-        the world size because FSDP averages gradients over ranks."""
+    def train_step(self, local: list[TrainSample]) -> dict[str, float]:
+        """One optimizer step; ``local`` is this rank's shard of the batch (``shard_batch``): its
+        forward/backward per micro-batch, then the step, then metrics reduced over the ranks.
+        Each rank's loss is its share of the global token mean, scaled by the world size because
+        FSDP averages gradients over ranks."""
         c = self.config
-        lengths = [sum(s.record.loss_mask) for s in samples]
-        if sum(lengths) == 0:
-            return {"loss_tokens": 0.0}
-        per_token = token_weights(lengths, c.loss_norm)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        # every rank must run the same number of forwards (FSDP's collectives); short ranks
-        # repeat a sample with zero weight
-        per_rank = -(-len(samples) // world)
-        local = samples[rank::world]
-        weights = per_token[rank::world] + [0.0] * (per_rank - len(local))
-        local = local + [samples[0]] * (per_rank - len(local))
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        sums = dict.fromkeys(("mismatch_abs", "mismatch_kl_k3", "tis_clipped", "kl_ref", "tokens", "entropy",
-                              "onpolicy_mismatch_abs", "onpolicy_tokens"), 0.0)
+        sums = dict.fromkeys(METRIC_SUMS, 0.0)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         for start in range(0, len(local), c.micro_batch_records):
-            mb = local[start:start + c.micro_batch_records]
-            mb_weights = weights[start:start + c.micro_batch_records]
-            records = [s.record for s in mb]
-            scores = score_streams(self.model, records, impl=c.impl)
-            if c.kl_coef:
-                with torch.no_grad():
-                    ref_scores = score_streams(self.ref, records, impl=c.impl)
-            else:  # no KL term: the reference forward would only feed a metric (kl_ref = 0)
-                ref_scores = [dataclasses.replace(sc, logprobs=sc.logprobs.detach()) for sc in scores]
-            lp, mu, ref, adv, tok_w, onpolicy = [], [], [], [], [], []
-            entropy = 0.0
-            padding = torch.zeros((), device=self.device)
-            for s, sc, rs, weight in zip(mb, scores, ref_scores, mb_weights, strict=True):
-                if weight == 0.0:
-                    padding = padding + sc.logprobs.sum() * 0.0  # runs FSDP's backward hooks, adds nothing
-                    continue
-                idx = torch.tensor([i for i, m in enumerate(s.record.loss_mask) if m], dtype=torch.long,
-                                   device=self.device)
-                lp.append(sc.logprobs[idx])
-                entropy = entropy + float(sc.entropy[idx].detach().sum())
-                ref.append(rs.logprobs[idx])
-                mu.append(torch.tensor([s.record.logprobs[i] for i in idx.tolist()], device=self.device))
-                adv.append(torch.full((len(idx),), s.advantage, device=self.device))
-                tok_w.append(torch.full((len(idx),), weight, device=self.device))
-                # tokens sampled by the weights being trained now: their mismatch is the pure
-                # sampler/trainer numeric gap (kernels, KV quantisation), no policy lag in it
-                onpolicy.append(torch.tensor([s.record.policy_versions[i] == self.step_count for i in idx.tolist()],
-                                             device=self.device))
-            if not lp:
-                padding.backward()
-                continue
-            terms = policy_loss(torch.cat(lp), torch.cat(mu), torch.cat(ref), torch.cat(adv), torch.cat(tok_w),
-                                tis_cap=c.tis_cap, clip_eps=c.clip_eps, kl_coef=c.kl_coef)
-            (terms.loss * world + padding).backward()
-            for k, v in terms.sums.items():
+            for k, v in self.forward_backward(local[start:start + c.micro_batch_records]).items():
                 sums[k] += v
-            sums["entropy"] += entropy
-            on = torch.cat(onpolicy)
-            sums["onpolicy_mismatch_abs"] += float((torch.cat(lp).detach() - torch.cat(mu))[on].abs().sum())
-            sums["onpolicy_tokens"] += float(on.sum())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+        lr = self.schedule(self.step_count)
         for group in self.optimizer.param_groups:
-            group["lr"] = self.lr_at(self.step_count)
+            group["lr"] = lr
         self.optimizer.step()
         self.step_count += 1
-        if world > 1:  # metrics over the global batch
+        return self.reduce_metrics(sums, grad_norm, lr)
+
+    def forward_backward(self, micro_batch: list[TrainSample]) -> dict[str, float]:
+        """Score one micro-batch (policy and, for the KL term, reference), backward its share of the
+        loss; returns its metric sums."""
+        c = self.config
+        world = dist.get_world_size()
+        records = [s.record for s in micro_batch]
+        scores = score_streams(self.model, records, impl=c.impl)
+        if c.kl_coef:
+            with torch.no_grad():
+                ref_scores = score_streams(self.ref, records, impl=c.impl)
+        else:  # no KL term: the reference forward would only feed a metric (kl_ref = 0)
+            ref_scores = [dataclasses.replace(sc, logprobs=sc.logprobs.detach()) for sc in scores]
+        lp, mu, ref, adv, tok_w, onpolicy = [], [], [], [], [], []
+        entropy = 0.0
+        padding = torch.zeros((), device=self.device)
+        for s, sc, rs in zip(micro_batch, scores, ref_scores, strict=True):
+            if s.weight == 0.0:
+                padding = padding + sc.logprobs.sum() * 0.0  # runs FSDP's backward hooks, adds nothing
+                continue
+            rec = s.record
+            idx = torch.tensor(rec.loss_mask, device=self.device).nonzero().squeeze(1)  # [M] loss tokens
+            lp.append(sc.logprobs[idx])
+            entropy += float(sc.entropy[idx].detach().sum())
+            ref.append(rs.logprobs[idx])
+            sampled = torch.tensor([x if x is not None else float("nan") for x in rec.logprobs], device=self.device)
+            mu.append(sampled[idx])
+            adv.append(torch.full((len(idx),), s.advantage, device=self.device))
+            tok_w.append(torch.full((len(idx),), s.weight, device=self.device))
+            # tokens sampled by the weights being trained now: their mismatch is the pure
+            # sampler/trainer numeric gap (kernels, KV quantisation), no policy lag in it
+            versions = torch.tensor([-1 if v is None else v for v in rec.policy_versions], device=self.device)
+            onpolicy.append(versions[idx] == self.step_count)
+        sums = dict.fromkeys(METRIC_SUMS, 0.0)
+        if not lp:
+            padding.backward()
+            return sums
+        terms = policy_loss(torch.cat(lp), torch.cat(mu), torch.cat(ref), torch.cat(adv), torch.cat(tok_w),
+                            tis_cap=c.tis_cap, clip_eps=c.clip_eps, kl_coef=c.kl_coef)
+        (terms.loss * world + padding).backward()
+        sums.update(terms.sums)
+        sums["entropy"] = entropy
+        on = torch.cat(onpolicy)
+        sums["onpolicy_mismatch_abs"] = float((torch.cat(lp).detach() - torch.cat(mu))[on].abs().sum())
+        sums["onpolicy_tokens"] = float(on.sum())
+        return sums
+
+    def reduce_metrics(self, sums: dict[str, float], grad_norm: torch.Tensor, lr: float) -> dict[str, float]:
+        """Per-token means over the global batch (sums all-reduced over the ranks)."""
+        world = dist.get_world_size()
+        if world > 1:
             keys = sorted(sums)
             t = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
             sums = dict(zip(keys, t.tolist(), strict=True))
         n = max(sums.get("tokens", 1.0), 1.0)
-        out = {"lr": self.lr_at(self.step_count - 1), "entropy": sums["entropy"] / n,
+        out = {"lr": lr, "entropy": sums["entropy"] / n,
                "loss_tokens": n, "mismatch_abs": sums["mismatch_abs"] / n, "mismatch_kl": sums["mismatch_kl_k3"] / n,
                "tis_clip_frac": sums["tis_clipped"] / n, "kl_ref": sums["kl_ref"] / n,
                "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
@@ -171,14 +210,6 @@ class Trainer:
             dist.all_gather(peaks, peak)
             out.update({f"trainer_peak_mem_gib_rank{r}": float(p) for r, p in enumerate(peaks)})
         return out
-
-    def lr_at(self, step: int) -> float:
-        """Linear warm-up over ``warmup_steps``, then constant. Adam's first steps move every
-        weight by about the full learning rate whatever the gradient's signal-to-noise (the
-        moment estimates are one noisy sample): RL gradients are mostly noise, so full-size
-        early steps drain probability from every sampled token."""
-        w = self.config.warmup_steps
-        return self.config.lr * min(1.0, (step + 1) / w) if w else self.config.lr
 
     def engine_weights(self) -> dict[str, torch.Tensor]:
         """Unsharded weights for the inference engine (a collective: every rank calls it).

@@ -1,11 +1,12 @@
-"""torchrun helper for test_trainer_data_parallel: one train step, then rank 0 saves the weights."""
+"""torchrun helper for test_trainer_data_parallel: one train step (each rank scores its shard of the batch), then
+rank 0 saves the weights."""
 
 import sys
 
 import torch
 
 from harness.config import TrainerConfig
-from harness.trainer import Trainer, TrainSample
+from harness.trainer import Trainer, TrainSample, shard_batch
 from trainer_masks import StreamRecord
 
 
@@ -27,7 +28,8 @@ def samples() -> list[TrainSample]:
 if __name__ == "__main__":
     model_path, out_path = sys.argv[1], sys.argv[2]
     trainer = Trainer(model_path, TrainerConfig(lr=1e-2, micro_batch_records=2, impl="sdpa"), torch.device("cpu"))
-    metrics = trainer.train_step(samples())
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    metrics = trainer.train_step(shard_batch(samples(), world, trainer.config.loss_norm)[rank])
     state = trainer.engine_weights()
     if torch.distributed.get_rank() == 0:
         torch.save({"state": state, "metrics": metrics}, out_path)

@@ -31,7 +31,7 @@ def trainer_case(t=150, seed=0):
     pos = torch.arange(t, device=DEV)
     plan = plan_stream_attention(torch.tensor([0], device=DEV), torch.tensor([t], device=DEV), pos,
                                  key_row_map(1, torch.zeros(t, device=DEV), pos, pos),
-                                 group=HQ // HKV, q_rows=pos, death=death)
+                                 gqa_group=HQ // HKV, q_rows=pos, death=death)
     return q, k, v, death, plan
 
 
@@ -46,7 +46,7 @@ def sampler_view(q, k, v, death, first, last, seed=1):
     n = last - first + 1
     plan = plan_stream_attention(torch.tensor([0], device=DEV), torch.tensor([n], device=DEV),
                                  torch.arange(first, last + 1, device=DEV),
-                                 key_row_map(1, torch.zeros(len(kept), device=DEV), pos, slots), group=HQ // HKV)
+                                 key_row_map(1, torch.zeros(len(kept), device=DEV), pos, slots), gqa_group=HQ // HKV)
     return q[first:last + 1], kp, vp, plan
 
 

@@ -368,7 +368,7 @@ def test_reprefill_on_update_recomputes_carried_episodes(tmp_path):
 
     from envs.registry import make_taskset
     from envs.rollout.chat import ChatRenderer
-    from harness.distributed import TrainerGroup
+    from harness.distributed import TrainerRanks
     from harness.inference import BuiltinInference
     from harness.orchestrator import Orchestrator
     from harness.run import build_trainer, sync_weights
@@ -385,7 +385,7 @@ def test_reprefill_on_update_recomputes_carried_episodes(tmp_path):
         orch.fill()
         while sum(st.ledger.num_computed > 0 for st in engine.table.streams.values()) < 2:
             await asyncio.sleep(0.01)
-        counts = [await sync_weights(inference, TrainerGroup(trainer), orch, v, reprefill=v == 2) for v in (1, 2)]
+        counts = [await sync_weights(inference, TrainerRanks(trainer), orch, v, reprefill=v == 2) for v in (1, 2)]
         await orch.drain()
         return counts
 

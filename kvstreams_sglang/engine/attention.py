@@ -34,12 +34,12 @@ class FullPrecisionBackend:
     """``invariant``: every step through the batch-invariant stream attention, the kernel the
     trainer replays with (``kernels.stream_attention``), instead of gather + SDPA / paged decode."""
 
-    def __init__(self, pool: FullPrecisionPool, *, invariant: bool = False, group: int = 1):
-        self.pool, self.invariant, self.group = pool, invariant, group
+    def __init__(self, pool: FullPrecisionPool, *, invariant: bool = False, gqa_group: int = 1):
+        self.pool, self.invariant, self.gqa_group = pool, invariant, gqa_group
 
     def prepare(self, items: list[StepItem], mode, table: SlotTable, device) -> ForwardBatch:
         if self.invariant:
-            return build_invariant_batch(items, mode, table, device, group=self.group)
+            return build_invariant_batch(items, mode, table, device, gqa_group=self.gqa_group)
         fb = build_full_precision_batch(items, mode, table, device)
         if mode == "decode" and torch.device(device).type == "cuda":
             # Paged Triton decode on the GPU; the gather + SDPA path stays the CPU reference.

@@ -119,13 +119,13 @@ def build_full_precision_batch(items: list[StepItem], mode, table: SlotTable, de
     return fb
 
 
-def build_invariant_batch(items: list[StepItem], mode, table: SlotTable, device, *, group: int) -> ForwardBatch:
+def build_invariant_batch(items: list[StepItem], mode, table: SlotTable, device, *, gqa_group: int) -> ForwardBatch:
     """Batch-invariant attention: each stream's kept slots (new ones included) by position, the
     same map the trainer builds from its records (``kernels.stream_attention``)."""
     fb, r = _common(items, mode, table, device)
     stream = torch.arange(len(items), device=device)[:, None].expand_as(r.valid_after)[r.valid_after]
     key_rows = key_row_map(len(items), stream, r.positions[r.valid_after], r.slots[r.valid_after])
-    fb.invariant_plan = plan_stream_attention(fb.qo_indptr[:-1], r.num_new, fb.positions, key_rows, group=group)
+    fb.invariant_plan = plan_stream_attention(fb.qo_indptr[:-1], r.num_new, fb.positions, key_rows, gqa_group=gqa_group)
     return fb
 
 
@@ -175,17 +175,17 @@ def computed_record(stream: KVStream) -> StreamRecord:
                         policy_versions=rec.policy_versions[:n], evictions=rec.evictions)
 
 
-def build_replay_batch(streams: list[KVStream], device, *, impl="auto", pool=None, group: int = 1) -> ReplayBatch:
+def build_replay_batch(streams: list[KVStream], device, *, impl="auto", pool=None, gqa_group: int = 1) -> ReplayBatch:
     """Pack ``streams`` (each with computed tokens) for one masked forward, exactly as
     ``trainer_masks.score_streams`` packs their records (same mask rule ``k <= q < death[k]``,
     SDPA + dense mask on CPU, FlexAttention on CUDA). ``pool``: a ``KV4Pool`` to also compute
     each live token's INT8 side slot with the store rule (kept ``p < sink`` or
     ``p >= num_computed - recent``). ``impl="invariant"``: the batch-invariant stream attention
-    (``group``: query heads per KV head), no mask."""
+    (``gqa_group``: query heads per KV head), no mask."""
     device = torch.device(device)
     impl = resolve_impl(impl, device)
     packed = pack([computed_record(st) for st in streams]).to(device)
-    plan = packed_plan(packed, group) if impl == "invariant" else None
+    plan = packed_plan(packed, gqa_group) if impl == "invariant" else None
     mask = None if plan is not None else flex_block_mask(packed, device) if impl == "flex" \
         else packed.dense_mask()[None, None]
     as_long = dict(dtype=torch.long, device=device)

@@ -87,7 +87,8 @@ class Engine:
         else:
             pool = FullPrecisionPool(r.num_layers, max_tokens, r.num_kv_heads, r.head_dim, dtype=r.dtype,
                                      device=self.device)
-            self.backend = FullPrecisionBackend(pool, invariant=batch_invariant, group=r.num_heads // r.num_kv_heads)
+            self.backend = FullPrecisionBackend(pool, invariant=batch_invariant,
+                                                 gqa_group=r.num_heads // r.num_kv_heads)
         self.pool = pool
         self.table = StreamTable(max_tokens, max_streams)
         self.slot_table = SlotTable(max_streams, max_context or min(max_tokens, 65536), self.device)
@@ -176,20 +177,20 @@ class Engine:
                 raise KeyError(f"reprefill: no open stream {unknown[0]}" + (f" (unknown: {unknown})"
                                                                            if len(unknown) > 1 else ""))
             streams = [self.table.get(s) for s in dict.fromkeys(sids)]
-        groups: list[list] = []
+        packs: list[list] = []  # streams packed into one forward, up to max_prefill_tokens
         for st in (st for st in streams if st.ledger.num_computed > 0):
-            computed = sum(g.ledger.num_computed for g in groups[-1]) if groups else 0
-            if not groups or computed + st.ledger.num_computed > self.max_prefill_tokens:
-                groups.append([])
-            groups[-1].append(st)
+            computed = sum(p.ledger.num_computed for p in packs[-1]) if packs else 0
+            if not packs or computed + st.ledger.num_computed > self.max_prefill_tokens:
+                packs.append([])
+            packs[-1].append(st)
         total = 0
         r = self.runner
         if impl == "auto" and r.batch_invariant:
             impl = "invariant"
-        for group in groups:
-            replay(r.model, self.pool, build_replay_batch(group, self.device, impl=impl, pool=self.pool,
-                                                          group=r.num_heads // r.num_kv_heads))
-            n = sum(st.ledger.num_computed for st in group)
+        for pack in packs:
+            replay(r.model, self.pool, build_replay_batch(pack, self.device, impl=impl, pool=self.pool,
+                                                          gqa_group=r.num_heads // r.num_kv_heads))
+            n = sum(st.ledger.num_computed for st in pack)
             self.stats.tokens_reprefilled_on_update += n
             total += n
         return total

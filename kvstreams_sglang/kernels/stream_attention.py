@@ -104,18 +104,18 @@ class StreamAttentionPlan:
     death: torch.Tensor | None = None  # [R] int32
 
 
-def block_q_for(group: int) -> int:
-    if group & (group - 1):
-        raise ValueError(f"stream attention needs a power-of-two GQA group, got {group}")
-    return max(1, MIN_ROWS // group)
+def block_q_for(gqa_group: int) -> int:
+    if gqa_group & (gqa_group - 1):
+        raise ValueError(f"stream attention needs a power-of-two GQA group, got {gqa_group}")
+    return max(1, MIN_ROWS // gqa_group)
 
 
 def plan_stream_attention(q_starts: torch.Tensor, q_counts: torch.Tensor, q_pos: torch.Tensor,
-                          key_rows: torch.Tensor, *, group: int, q_rows: torch.Tensor | None = None,
+                          key_rows: torch.Tensor, *, gqa_group: int, q_rows: torch.Tensor | None = None,
                           death: torch.Tensor | None = None) -> StreamAttentionPlan:
     """Sequence ``s`` has query tokens ``[q_starts[s], q_starts[s] + q_counts[s])`` (rows of ``q``);
     they are tiled ``block_q`` at a time, never across sequences."""
-    bq = block_q_for(group)
+    bq = block_q_for(gqa_group)
     dev = q_pos.device
     counts = q_counts.long()
     tiles = (counts + bq - 1) // bq

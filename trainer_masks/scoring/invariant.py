@@ -31,7 +31,7 @@ def invariant_kernels(enabled: bool, device: torch.device) -> contextlib.Abstrac
     return batch_invariant(device_type=device.type.upper())
 
 
-def packed_plan(packed: PackedBatch, group: int):
+def packed_plan(packed: PackedBatch, gqa_group: int):
     """The kernel's plan for a packed batch: every token is a query; keys by (record, position)."""
     from kvstreams_sglang.kernels.stream_attention import key_row_map, plan_stream_attention
 
@@ -42,7 +42,7 @@ def packed_plan(packed: PackedBatch, group: int):
     starts = torch.tensor(packed.offsets, device=pos.device)
     counts = torch.tensor(packed.lengths, device=pos.device)
     key_rows = key_row_map(len(packed.lengths), packed.document_ids, pos, rows)
-    return plan_stream_attention(starts, counts, pos, key_rows, group=group, q_rows=rows, death=packed.death)
+    return plan_stream_attention(starts, counts, pos, key_rows, gqa_group=gqa_group, q_rows=rows, death=packed.death)
 
 
 class _InvariantAttention(torch.autograd.Function):
