@@ -65,6 +65,11 @@ class _Request:
     done: bool = False
     future: asyncio.Future | None = None
 
+    @property
+    def forced_token(self) -> int | None:
+        forced = self.params.forced_token_ids if self.params is not None else ()
+        return forced[len(self.out.token_ids)] if forced else None
+
 
 class Engine:
     def __init__(self, model_path: str, *, kv_dtype: Literal["bf16", "kv4rl"] = "bf16", device="cpu",
@@ -196,8 +201,9 @@ class Engine:
 
     # ---- generation ----
     def generate(self, sid: int, *, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, stop_token_ids=(), seed: int | None = None) -> Generation:
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), seed)
+                 top_k: int = 0, stop_token_ids=(), seed: int | None = None, forced_token_ids=()) -> Generation:
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), seed,
+                                tuple(forced_token_ids))
         return self.generate_many([(sid, params)])[0]
 
     def generate_many(self, requests: list[tuple[int, SamplingParams]]) -> list[Generation]:
@@ -291,7 +297,8 @@ class Engine:
         reqs = [self._requests[it.stream.sid] for it in items]
         rows = [b for b, r in enumerate(reqs) if r.params is not None]
         tokens, logprobs = (sample_batch(logits[rows], [reqs[b].params for b in rows],
-                                         [reqs[b].generator for b in rows]) if rows else ([], []))
+                                         [reqs[b].generator for b in rows],
+                                         [reqs[b].forced_token for b in rows]) if rows else ([], []))
         sampled = dict(zip(rows, zip(tokens, logprobs, strict=True), strict=True))
         for b, (it, req) in enumerate(zip(items, reqs, strict=True)):
             it.stream.commit(it.slots)
