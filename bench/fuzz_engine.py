@@ -284,10 +284,10 @@ class _Fuzzer:
 
     def op_open(self) -> None:
         eng, rep = self.eng, self.report
-        rep.ops["open"] += 1
         if len(eng.table.streams) >= eng.table.max_streams:
             self.op_close()
             return
+        rep.ops["open"] += 1
         if self.rng.random() < 0.15:
             before = dict(eng.table.streams)
             try:
