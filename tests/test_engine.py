@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kvstreams_sglang.engine import Engine, SamplingParams
+from trainer_masks.scoring import stream_logprobs
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +161,35 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_model_path):
     stop = eng.generate(eng.open_stream([1, 2, 3]), max_new_tokens=50, stop_token_ids=[greedy.token_ids[0]],
                         temperature=0)
     assert stop.token_ids == greedy.token_ids[:1] and stop.finish_reason == "stop"
+
+
+def test_forcing_the_greedy_tokens_reproduces_the_greedy_run(tiny_model_path):
+    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    greedy = eng.generate(eng.open_stream(list(range(30, 50))), max_new_tokens=8, temperature=0)
+    forced = eng.generate(eng.open_stream(list(range(30, 50))), forced_token_ids=greedy.token_ids)
+    assert forced == greedy  # tokens, logprobs (bit for bit) and finish reason
+
+
+def test_forced_tokens_report_their_logprobs_under_the_model(tiny_model_path, hf_model):
+    """Teacher forcing: each forced token goes through a decode step and is reported with its
+    logprob under the (tempered) model distribution, as a sampled token is; here against the
+    fp32 HF model scoring the same stream."""
+    tokens = [7, 200, 13, 99, 250, 1]
+    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    sid = eng.open_stream(list(range(30, 50)))
+    g = eng.generate(sid, forced_token_ids=tokens, seed=3)
+    assert g.token_ids == tokens and g.finish_reason == "length"
+    assert eng.stats.steps == len(tokens)  # the prompt's extend samples the first, then one decode step each
+    rec = eng.stream_record(sid)
+    sampled = [i for i, s in enumerate(rec.sources) if s == "model"]
+    with torch.no_grad():
+        ref = stream_logprobs(hf_model, rec, impl="sdpa")
+    assert max(abs(float(ref[i]) - lp) for i, lp in zip(sampled, g.logprobs, strict=True)) <= 1e-5
+    hot = eng.generate(eng.open_stream(list(range(30, 50))), forced_token_ids=tokens, temperature=0.5)
+    with torch.no_grad():
+        logits = hf_model(input_ids=torch.tensor(rec.token_ids)[None]).logits[0].float()
+    tempered = torch.log_softmax(logits / 0.5, -1)[[i - 1 for i in sampled], tokens]
+    assert max(abs(float(a) - b) for a, b in zip(tempered, hot.logprobs, strict=True)) <= 1e-5
 
 
 def test_kv4rl_engine_tracks_the_bf16_engine(tiny_model_path, hf_model, device):

@@ -25,6 +25,7 @@ from ..kernels import KV4DecodeWorkspace, TritonDecodeVariant, bf16_decode, plan
 from ..kernels.attend import kv4_attention_step
 from ..kernels.stream_attention import stream_attention
 from ..streams import FullPrecisionPool, KV4Pool, SlotTable
+from ..streams.pool import SideCopy
 from .batch import ForwardBatch, StepItem, build_full_precision_batch, build_invariant_batch, build_kv4_batch
 
 ATTENTION_NAME = "kvstreams"
@@ -48,6 +49,13 @@ class FullPrecisionBackend:
                                          num_kv_heads=self.pool.k[0].shape[1], cuda_variant=None,
                                          triton_variant=TritonDecodeVariant(block_n=64, num_stages=2))
         return fb
+
+    def save_overwritten(self, fb: ForwardBatch) -> None:
+        """Nothing: a step writes only into its new tokens' slots, which were free."""
+        return None
+
+    def restore_overwritten(self, saved: None) -> None:
+        pass
 
     def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         # q [N, Hq, D], k/v [N, Hkv, D] -> out [N, Hq, D]
@@ -91,6 +99,14 @@ class KV4Backend:
                                                            cache.head_dim, device=device)
             fb.decode_plan = self.decode_workspace.plan(**fb.kv4)
         return fb
+
+    def save_overwritten(self, fb: ForwardBatch) -> SideCopy:
+        """The INT8 side entries the step's new tokens will write: a recent token's ring slot still
+        holds the copy of the position ``recent`` before it, needed if the step is undone."""
+        return self.pool.save_side(fb.side_slots)
+
+    def restore_overwritten(self, saved: SideCopy) -> None:
+        self.pool.restore_side(saved)
 
     def forward(self, layer: int, q, k, v, fb: ForwardBatch, scaling: float) -> torch.Tensor:
         # q [N, Hq, D], k/v [N, Hkv, D] -> out [N, Hq, D]

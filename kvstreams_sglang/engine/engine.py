@@ -9,11 +9,19 @@ version stamped on every sampled token), optionally followed by ``reprefill`` (r
 kept KV under the new weights, as KV4-RL does). Scheduling follows nano-vllm: a step is either
 an extend of every stream with several pending tokens, or a decode of every stream with
 exactly one.
+
+Faults stay with the request that caused them. Token ids are checked where they enter
+(``open_stream``, ``append``, forced tokens); a step first fails the requests that cannot run
+(their slots do not fit, their stream would outgrow ``max_context``) and only then allocates;
+a forward that raises is undone (slots freed, slot-table rows and overwritten INT8 side
+entries restored, ledgers untouched) and the requests that fail alone get the exception,
+while the others run on exactly as they would have without them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import operator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -21,7 +29,7 @@ import torch
 
 from trainer_masks import StreamLedger
 
-from ..streams import FullPrecisionPool, KV4Pool, OutOfSlotsError, SlotTable, StreamTable
+from ..streams import ContextLengthError, FullPrecisionPool, KV4Pool, KVStream, OutOfSlotsError, SlotTable, StreamTable
 from .attention import FullPrecisionBackend, KV4Backend
 from .batch import StepItem, build_replay_batch
 from .model_runner import ModelRunner
@@ -63,7 +71,33 @@ class _Request:
     generator: torch.Generator | None
     out: Generation = field(default_factory=lambda: Generation([], []))
     done: bool = False
+    error: BaseException | None = None  # why it failed (done, nothing more will be sampled)
     future: asyncio.Future | None = None
+
+    @property
+    def forced_token(self) -> int | None:
+        forced = self.params.forced_token_ids if self.params is not None else ()
+        return forced[len(self.out.token_ids)] if forced else None
+
+
+@dataclass
+class _Planned:
+    """A request scheduled into a step: its stream and how many pending tokens it computes."""
+
+    req: _Request
+    stream: KVStream
+    num_new: int
+
+
+@dataclass
+class _Undo:
+    """What a step changed before its forward: the slot-table rows' lengths before it, the
+    slots it took, what the backend saved of the storage it overwrites."""
+
+    rows: list[int]
+    lengths: list[int]
+    items: list[StepItem] = field(default_factory=list)
+    saved: object | None = None
 
 
 class Engine:
@@ -93,6 +127,7 @@ class Engine:
         self.table = StreamTable(max_tokens, max_streams)
         self.slot_table = SlotTable(max_streams, max_context or min(max_tokens, 65536), self.device)
         self.max_prefill_tokens = max_prefill_tokens
+        self.vocab_size = r.vocab_size
         self.policy_version = 0
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
@@ -102,13 +137,15 @@ class Engine:
     def open_stream(self, stream: list[int] | StreamLedger) -> int:
         """A new stream on ``stream``'s tokens (pending: prefilled with the first generation). A
         ``StreamLedger`` is adopted as the stream's ledger, and stays the caller's view of it."""
-        if not (stream.token_ids if isinstance(stream, StreamLedger) else stream):
+        ids = stream.token_ids if isinstance(stream, StreamLedger) else stream
+        if not ids:
             raise ValueError("open_stream needs at least one token")
-        return self.table.open(stream).sid
+        checked = self._token_ids(ids, "open_stream")
+        return self.table.open(stream if isinstance(stream, StreamLedger) else checked).sid
 
     def append(self, sid: int, token_ids: list[int], *, source: Literal["env", "prompt"] = "env") -> None:
         self._idle(sid, "append to")
-        self.table.get(sid).ledger.append(token_ids, source)
+        self.table.get(sid).ledger.append(self._token_ids(token_ids, f"stream {sid}"), source)
 
     def evict(self, sid: int, spans) -> int:
         """Free the KV of ``spans`` (``[start, end)`` stream positions) in place; returns the
@@ -197,27 +234,43 @@ class Engine:
 
     # ---- generation ----
     def generate(self, sid: int, *, max_new_tokens: int = 64, temperature: float = 1.0, top_p: float = 1.0,
-                 top_k: int = 0, stop_token_ids=(), seed: int | None = None) -> Generation:
-        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), seed)
+                 top_k: int = 0, stop_token_ids=(), seed: int | None = None, forced_token_ids=()) -> Generation:
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, tuple(stop_token_ids), seed,
+                                tuple(forced_token_ids))
         return self.generate_many([(sid, params)])[0]
 
-    def generate_many(self, requests: list[tuple[int, SamplingParams]]) -> list[Generation]:
-        """Generate for several streams at once (continuous batching)."""
-        if self._loop_task is not None and not self._loop_task.done():
-            raise RuntimeError("the async loop is running: use agenerate")
-        reqs = [self._submit(sid, params) for sid, params in requests]
-        while not all(r.done for r in reqs):
-            self.step()
+    def generate_many(self, requests: list[tuple[int, SamplingParams]], *,
+                      return_exceptions: bool = False) -> list[Generation]:
+        """Generate for several streams at once (continuous batching). A request that fails (its
+        stream outgrows the pool or ``max_context``, its forward raises) stops there and the
+        others run to their end; then the first failure is raised, or, with
+        ``return_exceptions``, returned in that request's place (as ``asyncio.gather`` does). A
+        failed stream keeps what earlier steps sampled and can be evicted, appended to, generated
+        from again or closed."""
+        self._sync_only("agenerate")
+        reqs = []
+        try:
+            for sid, params in requests:
+                reqs.append(self._submit(sid, params))
+            while not all(r.done for r in reqs):
+                self.step()
+        except BaseException as e:  # a bad request list, or interrupted: leave no request behind
+            for r in reqs:
+                if not r.done:
+                    self._fail(r, e)
+            raise
+        if return_exceptions:
+            return [r.error if r.error is not None else r.out for r in reqs]
+        for r in reqs:
+            if r.error is not None:
+                raise r.error
         return [r.out for r in reqs]
 
     def prefill(self, sid: int) -> None:
         """Compute the KV of every pending token now, sampling nothing (e.g. so that a
         just-written exchange can be evicted before the next turn)."""
-        if self._loop_task is not None and not self._loop_task.done():
-            raise RuntimeError("the async loop is running: use aprefill")
-        req = self._submit(sid, None)
-        while not req.done:
-            self.step()
+        self._sync_only("aprefill")
+        self.generate_many([(sid, None)])
 
     async def aprefill(self, sid: int) -> None:
         await self._enqueue(self._submit(sid, None))
@@ -232,23 +285,27 @@ class Engine:
         return await req.future
 
     async def _run_loop(self) -> None:
-        while self._requests:
-            try:
+        try:
+            while self._requests:
                 self.step()
-            except Exception as e:  # fail every waiter rather than hang them
-                for r in list(self._requests.values()):
-                    if r.future is not None and not r.future.done():
-                        r.future.set_exception(e)
-                self._requests.clear()
-                raise
-            await asyncio.sleep(0)  # let environments and other coroutines run between steps
+                await asyncio.sleep(0)  # let environments and other coroutines run between steps
+        except BaseException as e:  # a fault of the loop itself (a request's own fails only it): fail every waiter
+            for r in list(self._requests.values()):
+                self._fail(r, e)
+            raise
 
-    def _submit(self, sid: int, params: SamplingParams) -> _Request:
+    def _sync_only(self, async_verb: str) -> None:
+        if self._loop_task is not None and not self._loop_task.done():
+            raise RuntimeError(f"the async loop is running: use {async_verb}")
+
+    def _submit(self, sid: int, params: SamplingParams | None) -> _Request:
         st = self.table.get(sid)
-        if sid in self._requests:
+        if self._generating(sid):
             raise RuntimeError(f"stream {sid} is already generating")
         if not st.ledger.num_pending:
             raise RuntimeError(f"stream {sid} has no pending token to continue from")
+        if params is not None and params.forced_token_ids:
+            self._token_ids(params.forced_token_ids, f"stream {sid} (forced tokens)")
         gen = None
         if params is not None and params.seed is not None:
             gen = torch.Generator(device=self.device)
@@ -259,47 +316,113 @@ class Engine:
 
     def _idle(self, sid: int, verb: str) -> None:
         self.table.get(sid)
-        if sid in self._requests:
+        if self._generating(sid):
             raise RuntimeError(f"cannot {verb} stream {sid} while it is generating")
+
+    def _generating(self, sid: int) -> bool:
+        """Whether ``sid`` has a request in flight. One whose waiter is gone (a cancelled
+        ``agenerate``) is dropped here: between two steps nothing of it is in flight."""
+        req = self._requests.get(sid)
+        if req is not None and req.future is not None and req.future.cancelled():
+            del self._requests[sid]
+            return False
+        return req is not None
+
+    def _token_ids(self, ids, where: str) -> list[int]:
+        """``ids`` as ints in ``[0, vocab_size)``, or a ``ValueError`` naming ``where`` and the first
+        bad one: checked where tokens enter, since a step that met one would fail in the forward."""
+        ids = list(ids)
+        if all(type(t) is int for t in ids) and (not ids or (min(ids) >= 0 and max(ids) < self.vocab_size)):
+            return ids
+        out = []
+        for i, t in enumerate(ids):
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                tok = operator.index(t)
+            except TypeError:
+                raise ValueError(f"{where}: token {i} is {t!r}, not an integer token id") from None
+            if not 0 <= tok < self.vocab_size:
+                raise ValueError(f"{where}: token id {tok} (token {i}) is outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+            out.append(tok)
+        return out
 
     # ---- one scheduler step ----
     def step(self) -> None:
-        reqs = list(self._requests.values())
-        if not reqs:
+        """One forward over the scheduled requests. It either commits (slots, ledgers, outputs)
+        or changes nothing: a request that cannot run fails before anything is allocated, and a
+        forward that raises is undone and fails only the requests that raise alone."""
+        for sid in list(self._requests):
+            self._generating(sid)  # drops the requests whose waiter is gone
+        mode, plan = self._schedule()
+        if not plan:
             return
+        try:
+            self._attempt(mode, plan, keep=True)
+        except Exception as error:
+            self._isolate(mode, plan, error)
+
+    def _schedule(self) -> tuple[Literal["extend", "decode"], list[_Planned]]:
+        """The step's mode and requests, nano-vllm style: every request with several pending tokens
+        (or a prefill) extends, up to ``max_prefill_tokens``; else every request decodes one token.
+        A request whose tokens cannot fit fails here, before anything is allocated: over
+        ``max_context``, or needing more slots than are free when it is the first to run (later
+        ones wait for the next step)."""
+        reqs = list(self._requests.values())
         extend = [r for r in reqs if self.table.get(r.sid).ledger.num_pending > 1 or r.params is None]
         mode = "extend" if extend else "decode"
-        chosen = extend if extend else reqs
-        items, budget = [], self.max_prefill_tokens
-        for r in chosen:
+        plan, budget, free = [], self.max_prefill_tokens, self.table.allocator.num_free
+        for r in extend or reqs:
             st = self.table.get(r.sid)
             n = st.ledger.num_pending
-            if mode == "extend" and items and n > budget:
-                break
-            try:
-                slots = self.table.allocator.alloc(n)
-            except OutOfSlotsError:
-                if items:
+            if len(st.slots) + n > self.slot_table.max_context:
+                self._fail(r, ContextLengthError(
+                    f"stream {r.sid} would hold {len(st.slots) + n} live tokens, more than max_context="
+                    f"{self.slot_table.max_context}: evict (compact) or raise max_context"))
+                continue
+            if n > free:
+                if plan:
                     break
-                raise
-            items.append(StepItem(st, n, slots))
+                self._fail(r, OutOfSlotsError(f"stream {r.sid} needs {n} KV slots, {free} of "
+                                              f"{self.table.allocator.num_slots} free: evict or close streams"))
+                continue
+            if mode == "extend" and plan and n > budget:
+                break
+            plan.append(_Planned(r, st, n))
             budget -= n
-        self.slot_table.append_batch([it.stream.row for it in items], [it.num_new for it in items],
-                                     [s for it in items for s in it.slots],
-                                     [it.stream.ledger.num_computed for it in items])
-        fb = self.backend.prepare(items, mode, self.slot_table, self.device)
-        logits = self.runner.forward(fb, self.backend)
-        reqs = [self._requests[it.stream.sid] for it in items]
-        rows = [b for b, r in enumerate(reqs) if r.params is not None]
-        tokens, logprobs = (sample_batch(logits[rows], [reqs[b].params for b in rows],
-                                         [reqs[b].generator for b in rows]) if rows else ([], []))
-        sampled = dict(zip(rows, zip(tokens, logprobs, strict=True), strict=True))
-        for b, (it, req) in enumerate(zip(items, reqs, strict=True)):
+            free -= n
+        return mode, plan
+
+    def _attempt(self, mode, plan: list[_Planned], *, keep: bool) -> None:
+        """One forward over ``plan``. ``keep``: sample and commit it. Otherwise, and whenever
+        anything raises, undo it: the new slots are freed, the slot-table rows cut back and the
+        INT8 side entries the step overwrote restored, so the pool, the tables and the ledgers are
+        as before (the freed slots' bytes are not: no stream owns them)."""
+        rows = [p.stream.row for p in plan]
+        undo = _Undo(rows, [self.slot_table.lengths[row] for row in rows])
+        try:
+            for p in plan:
+                undo.items.append(StepItem(p.stream, p.num_new, self.table.allocator.alloc(p.num_new)))
+            items = undo.items
+            self.slot_table.append_batch(rows, [it.num_new for it in items], [s for it in items for s in it.slots],
+                                         [it.stream.ledger.num_computed for it in items])
+            fb = self.backend.prepare(items, mode, self.slot_table, self.device)
+            undo.saved = self.backend.save_overwritten(fb)
+            logits = self.runner.forward(fb, self.backend)
+            sampled = self._sample(plan, logits) if keep else {}
+        except BaseException:
+            self._undo(undo)
+            raise
+        if not keep:
+            self._undo(undo)
+            return
+        for b, (it, p) in enumerate(zip(items, plan, strict=True)):
             it.stream.commit(it.slots)
             if b in sampled:
-                self._record_sample(req, *sampled[b])
+                self._record_sample(p.req, *sampled[b])
             else:
-                self._finish(req, None)
+                self._finish(p.req, None)
         n_new = sum(it.num_new for it in items)
         if mode == "extend":
             self.stats.tokens_prefilled += n_new
@@ -308,6 +431,47 @@ class Engine:
         self.stats.tokens_in_streams += n_new
         self.stats.steps += 1
         self._update_slot_stats()
+
+    def _sample(self, plan: list[_Planned], logits: torch.Tensor) -> dict[int, tuple[int, float]]:
+        """Token and logprob of every request of ``plan`` that samples (by its index in ``plan``)."""
+        rows = [b for b, p in enumerate(plan) if p.req.params is not None]
+        if not rows:
+            return {}
+        reqs = [plan[b].req for b in rows]
+        tokens, logprobs = sample_batch(logits[rows], [r.params for r in reqs], [r.generator for r in reqs],
+                                        [r.forced_token for r in reqs])
+        return dict(zip(rows, zip(tokens, logprobs, strict=True), strict=True))
+
+    def _undo(self, undo: _Undo) -> None:
+        if undo.saved is not None:
+            self.backend.restore_overwritten(undo.saved)
+        for row, length in zip(undo.rows, undo.lengths, strict=True):
+            self.slot_table.truncate(row, length)
+        for it in undo.items:
+            self.table.allocator.free(it.slots)
+
+    def _isolate(self, mode, plan: list[_Planned], error: Exception) -> None:
+        """The step's forward raised (and was undone). Each request is tried alone, undone
+        again; those that raise fail, and the rest are scheduled by the next step exactly as if
+        the failed ones had never been there. If none raises alone (the batch as a whole failed,
+        e.g. out of memory), each runs alone, for real."""
+        if len(plan) == 1:
+            self._fail(plan[0].req, error)
+            return
+        failed = False
+        for p in plan:
+            try:
+                self._attempt(mode, [p], keep=False)
+            except Exception as e:
+                self._fail(p.req, e)
+                failed = True
+        if failed:
+            return
+        for p in plan:
+            try:
+                self._attempt(mode, [p], keep=True)
+            except Exception as e:
+                self._fail(p.req, e)
 
     def _record_sample(self, req: _Request, tok: int, lp: float) -> None:
         self.table.get(req.sid).ledger.add_sampled(tok, lp, self.policy_version)
@@ -325,6 +489,17 @@ class Engine:
         del self._requests[req.sid]
         if req.future is not None and not req.future.done():
             req.future.set_result(result)
+
+    def _fail(self, req: _Request, error: BaseException) -> None:
+        """``req`` ends with ``error``; its stream keeps what earlier steps sampled."""
+        req.done, req.error = True, error
+        if self._requests.get(req.sid) is req:
+            del self._requests[req.sid]
+        if req.future is not None and not req.future.done():
+            if isinstance(error, asyncio.CancelledError):
+                req.future.cancel()
+            else:
+                req.future.set_exception(error)
 
     def _update_slot_stats(self) -> None:
         self.stats.live_slots = self.table.allocator.num_used

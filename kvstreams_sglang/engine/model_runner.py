@@ -47,6 +47,7 @@ class ModelRunner:
         self.num_heads = text.num_attention_heads
         self.head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         self.layer_types = sorted(set(getattr(text, "layer_types", None) or ["full_attention"]))
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings  # token ids the embedding can look up
         self._head_fp32: torch.Tensor | None = None  # fp32 copy of the LM head, refreshed on weight updates
 
     @torch.inference_mode()

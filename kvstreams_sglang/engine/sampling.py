@@ -1,9 +1,10 @@
-"""Sampling with temperature, top-k, top-p and per-request seeds.
+"""Sampling with temperature, top-k, top-p and per-request seeds, or teacher forcing.
 
 The returned logprob is that of the sampled token under the *tempered* model
 distribution ``log_softmax(logits / T)`` before top-k/top-p truncation (at ``T = 1``
 exactly the policy's logprob, which is what RL compares the trainer against; greedy
-``T = 0`` reports the untempered logprob).
+``T = 0`` reports the untempered logprob). A forced token (``forced_token_ids``) is
+reported the same way, so two engines can be compared on one token stream.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ class SamplingParams:
     top_k: int = 0
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # Teacher forcing: "sample" exactly these tokens in order, one per decode step, each reported
+    # with its logprob as a sampled token would be; max_new_tokens is then len(forced_token_ids).
+    forced_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "forced_token_ids", tuple(self.forced_token_ids))
+        if self.forced_token_ids:
+            object.__setattr__(self, "max_new_tokens", len(self.forced_token_ids))
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -47,13 +54,14 @@ def _filter(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return out
 
 
-def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> tuple[list[int], list[float]]:
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+                 forced: list[int | None] | None = None) -> tuple[list[int], list[float]]:
     """One token per row of ``logits [B, V]``; a single device-to-host sync for the batch.
 
     Exponential-race sampling: ``argmax(log p - log E)`` with ``E ~ Exp(1)`` draws exactly
     from ``p``; the noise of a seeded request comes from its own generator, so a stream's
-    samples do not depend on what else is in the batch.
+    samples do not depend on what else is in the batch. ``forced[b]``: the token row ``b``
+    takes instead of drawing one (None: draw).
     """
     temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], device=logits.device)
     logp = torch.log_softmax(logits.float() / temps[:, None], dim=-1)  # [B, V]
@@ -68,5 +76,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams],
     tokens = torch.argmax(scores - noise.log(), dim=-1)
     greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)
     tokens = torch.where(greedy, torch.argmax(logits, dim=-1), tokens)
+    if forced is not None and any(t is not None for t in forced):
+        is_forced = torch.tensor([t is not None for t in forced], device=logits.device)
+        tokens = torch.where(is_forced, torch.tensor([t or 0 for t in forced], device=logits.device), tokens)
     lps = logp.gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), lps.tolist()

@@ -10,8 +10,8 @@ from trainer_masks import EvictionError
 
 from .allocator import OutOfSlotsError, SlotAllocator
 from .pool import FullPrecisionPool, KV4Pool
-from .slot_table import SlotTable
+from .slot_table import ContextLengthError, SlotTable
 from .stream import KVStream, StreamTable
 
-__all__ = ["EvictionError", "FullPrecisionPool", "KV4Pool", "KVStream", "OutOfSlotsError", "SlotAllocator",
-           "SlotTable", "StreamTable"]
+__all__ = ["ContextLengthError", "EvictionError", "FullPrecisionPool", "KV4Pool", "KVStream", "OutOfSlotsError",
+           "SlotAllocator", "SlotTable", "StreamTable"]

@@ -14,9 +14,17 @@ stream whose computed end is ``end`` is attended through INT8 iff ``p < sink`` o
 computed (sinks to their fixed side slot, others to ring slot ``p % recent``); eviction
 only removes positions from the index lists, so every kept position is in exactly one
 region and nothing is ever rewritten.
+
+A step writes only into its new tokens' slots, which were free, with one exception: a new
+recent token's ring slot still holds the INT8 copy of the position ``recent`` before it, which
+the step moves to the INT4 region. The side caches of all layers therefore live in one tensor
+per field, so that a step saves what it will overwrite with one gather each
+(``KV4Pool.save_side``) and a failed step puts it back (``restore_side``).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
@@ -41,6 +49,14 @@ class FullPrecisionPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+@dataclasses.dataclass
+class SideCopy:
+    """INT8 side entries saved by ``KV4Pool.save_side``: ``values[field]`` is ``[L, N, ...]``."""
+
+    side_slots: torch.Tensor  # [N], -1 = nothing saved
+    values: dict[str, torch.Tensor]
+
+
 class KV4Pool:
     kind = "kv4rl"
 
@@ -49,13 +65,32 @@ class KV4Pool:
         if sink < 0 or recent < 0:
             raise ValueError(f"sink and recent must be >= 0, got {sink}, {recent}")
         self.sink, self.recent = sink, recent
-        side = max(1, max_streams * (sink + recent))
-        self.layers = [KV4LayerCache.empty(num_slots, side, num_kv_heads, head_dim, device=device)
-                       for _ in range(num_layers)]
+        side, h, d = max(1, max_streams * (sink + recent)), num_kv_heads, head_dim
+        i8, f16 = dict(dtype=torch.int8, device=device), dict(dtype=torch.float16, device=device)
+        # [L, S8, Hkv, D] codes and [L, S8, Hkv] scales; layer l's cache holds views of index l
+        self.side = {"k_side": torch.zeros(num_layers, side, h, d, **i8),
+                     "k_side_scale": torch.zeros(num_layers, side, h, **f16),
+                     "v_side": torch.zeros(num_layers, side, h, d, **i8),
+                     "v_side_scale": torch.zeros(num_layers, side, h, **f16)}
+        self.layers = [dataclasses.replace(KV4LayerCache.empty(num_slots, 0, h, d, device=device),
+                                           **{name: t[layer] for name, t in self.side.items()})
+                       for layer in range(num_layers)]
 
     @property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.layers)
+
+    def save_side(self, side_slots: torch.Tensor) -> SideCopy:
+        """Every layer's INT8 side entries at ``side_slots`` (``[N]``, -1 = none), before a step
+        overwrites them. No host sync: a -1 reads slot 0, and ``restore_side`` skips it."""
+        at = side_slots.clamp(min=0).long()
+        return SideCopy(side_slots, {name: t[:, at] for name, t in self.side.items()})
+
+    def restore_side(self, saved: SideCopy) -> None:
+        keep = saved.side_slots >= 0
+        at = saved.side_slots[keep].long()  # distinct: a step writes each side slot at most once
+        for name, t in self.side.items():
+            t[:, at] = saved.values[name][:, keep]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int) -> int:
