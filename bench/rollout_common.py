@@ -316,7 +316,7 @@ class StepRecorder:
         log.tokens.append(eng.stats.tokens_prefilled + eng.stats.tokens_decoded - n0)
         log.live.append(eng.stats.live_slots)
         log.active.append(self.gate.active if self.gate is not None else len(reqs))
-        log.max_live.append(max(st.num_live for st in streams))
+        log.max_live.append(max(st.ledger.num_live for st in streams))
 
 
 # ---- replay ----
