@@ -41,7 +41,7 @@ def run_one(model_path: str, kv_dtype: str, streams: int, context: int, new_toke
             profile: bool = False) -> dict:
     from kvstreams_sglang.engine import Engine, SamplingParams
 
-    eng = Engine(model_path, kv_dtype=kv_dtype, device="cuda", max_tokens=streams * (context + new_tokens + 8),
+    eng = Engine(model_path, kv_dtype=kv_dtype, device="cuda", kv_slots=streams * (context + new_tokens + 8),
                  max_streams=streams, max_context=context + new_tokens + 8, max_prefill_tokens=16384)
     g = torch.Generator().manual_seed(1)
     sids = [eng.open_stream(torch.randint(0, 150000, (context,), generator=g).tolist()) for _ in range(streams)]

@@ -149,7 +149,7 @@ class FuzzReport:
 def fuzz_engine(model_path: str, *, ops: int, seed: int, kv_dtype: str = "bf16", max_tokens: int = 100,
                 max_streams: int = 6, max_context: int = 64) -> FuzzReport:
     """``ops`` random operations on a fresh engine; stops at the first invariant violation."""
-    eng = Engine(model_path, kv_dtype=kv_dtype, max_tokens=max_tokens, max_streams=max_streams,
+    eng = Engine(model_path, kv_dtype=kv_dtype, kv_slots=max_tokens, max_streams=max_streams,
                  max_context=max_context, sink=4, recent=8, max_prefill_tokens=128)
     fuzzer = _Fuzzer(eng, random.Random(seed), FuzzReport(kv_dtype))
     t0 = time.perf_counter()

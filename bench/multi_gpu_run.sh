@@ -16,11 +16,11 @@ timeout "${TIMEOUT:-540}" python3 -m torch.distributed.run --nproc-per-node 2 -m
   configs/textworld/sliding_window.toml \
   --model.tiny.num_layers 28 --model.tiny.hidden_size 2048 --model.tiny.num_heads 16 \
   --model.tiny.num_kv_heads 8 --model.tiny.head_dim 128 --model.tiny.intermediate_size 6144 \
-  --inference.kv_dtype kv4rl --inference.device cuda:1 --inference.max_tokens 262144 --inference.max_streams 128 \
+  --inference.kv_dtype kv4rl --inference.device cuda:1 --inference.kv_slots 262144 --inference.max_streams 128 \
   --environment.options '{presets = ["short"], n_train = 32, n_eval = 0, max_steps = 100}' \
-  --compaction.max_turns 4 --compaction.budget 8192 \
-  --orchestrator.group_size 8 --orchestrator.groups_per_step 2 --orchestrator.max_turns 10 \
-  --orchestrator.max_new_tokens 16 --trainer.micro_batch_records 4 \
+  --compaction.window_turns 4 --compaction.budget 8192 \
+  --orchestrator.group_size 8 --orchestrator.groups_per_step 2 --orchestrator.episode.max_turns 10 \
+  --orchestrator.episode.max_new_tokens 16 --trainer.micro_batch_records 4 \
   --run.steps "$steps" --run.checkpoint_every "$steps" --run.output_dir "$run" 2>&1 | grep -v "Loading weights\|Writing model" | tee "$out/log.txt"
 rc=${PIPESTATUS[0]}
 kill $smi

@@ -193,7 +193,7 @@ def make_engine(model, kv_dtype: str, *, max_tokens: int, max_streams: int, max_
     from kvstreams_sglang.engine import Engine
 
     with shared_model(model):
-        return Engine("<shared>", kv_dtype=kv_dtype, device=device, max_tokens=max_tokens, max_streams=max_streams,
+        return Engine("<shared>", kv_dtype=kv_dtype, device=device, kv_slots=max_tokens, max_streams=max_streams,
                       max_context=max_context, sink=sink, recent=recent)
 
 

@@ -247,7 +247,7 @@ def engine_check(model_path: str, fq_model, renderer, episodes: list[dict], devi
 
     out = {}
     for kv, mode in (("bf16", "bf16"), ("kv4rl", "kv4")):
-        eng = Engine(model_path, kv_dtype=kv, device=device, max_tokens=1 << 16, max_streams=8, sink=16, recent=128)
+        eng = Engine(model_path, kv_dtype=kv, device=device, kv_slots=1 << 16, max_streams=8, sink=16, recent=128)
         if state_dict is not None:
             eng.update_weights(state_dict)
         streams = sample_streams(eng, renderer, episodes, max_new_tokens=max_new_tokens, seed=seed + 7)
@@ -288,7 +288,7 @@ def run(model_path: str, device, *, episodes: int = 24, max_new_tokens: int = 24
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), SYSTEM_PROMPT)
     fq_model = load_fakequant_model(model_path, device, state_dict=state_dict)
     eps = text_episodes(n=episodes)
-    eng = Engine(model_path, kv_dtype="bf16", device=device, max_tokens=1 << 18, max_streams=max(8, episodes))
+    eng = Engine(model_path, kv_dtype="bf16", device=device, kv_slots=1 << 18, max_streams=max(8, episodes))
     if state_dict is not None:
         eng.update_weights(state_dict)
     streams = sample_streams(eng, renderer, eps, max_new_tokens=max_new_tokens, seed=seed)

@@ -95,7 +95,7 @@ def main():
     if args.batch_invariant:
         return invariant_parity(path, trainer, result)
     for kv in ("bf16", "kv4rl"):
-        eng = Engine(str(path), kv_dtype=kv, device="cuda", dtype=torch.bfloat16, max_tokens=65536, max_streams=8)
+        eng = Engine(str(path), kv_dtype=kv, device="cuda", dtype=torch.bfloat16, kv_slots=65536, max_streams=8)
         rows = {}
         for name, spec in EVICTION_PATTERNS.items():
             rec = scripted_episode(eng, **spec, turns=12, max_turn_tokens=60, env_tokens=(20, 80), seed=3)
@@ -137,7 +137,7 @@ def invariant_parity(path, trainer, result):
 
     result["command"] += " --batch-invariant"
     for inv in (True, False):
-        eng = Engine(str(path), kv_dtype="bf16", device="cuda", dtype=torch.bfloat16, max_tokens=65536, max_streams=8,
+        eng = Engine(str(path), kv_dtype="bf16", device="cuda", dtype=torch.bfloat16, kv_slots=65536, max_streams=8,
                      batch_invariant=inv)
         rows = {}
         for name, spec in EVICTION_PATTERNS.items():

@@ -17,7 +17,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from envs.registry import options_model
+from envs.rollout.agent_loop import EpisodeConfig
 from envs.rollout.compaction import CompactionConfig
+from kvstreams_sglang.engine.config import EngineConfig
 
 
 class Section(BaseModel):
@@ -50,17 +52,12 @@ class ModelConfig(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
-class InferenceConfig(Section):
+class InferenceConfig(EngineConfig):
+    """The built-in engine's settings (``EngineConfig``: KV dtype, pool size, streams, ...), plus which
+    engine serves the rollouts and where. ``kv_dtype`` must match an SGLang server's ``--kv4rl``."""
+
     engine: Literal["builtin", "sglang"] = "builtin"
     url: str | None = Field(None, description="SGLang server URL (engine = sglang)")
-    kv_dtype: Literal["bf16", "kv4rl"] = "bf16"
-    sink: int = Field(16, ge=0)
-    recent: int = Field(128, ge=0)
-    max_tokens: int = Field(65536, ge=64, description="KV pool slots")
-    max_streams: int = Field(256, ge=1)
-    batch_invariant: bool = Field(False, description="matmuls, norms and attention through batch-invariant kernels "
-                                  "(bf16 KV only; the trainer needs trainer.impl = 'invariant'): the trainer's bf16 "
-                                  "logprobs then equal the sampler's bit for bit, at some speed cost")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="engine device; under torchrun e.g. cuda:2 (trainer ranks use cuda:LOCAL_RANK)")
 
@@ -93,12 +90,8 @@ class OrchestratorConfig(Section):
     groups_per_step: int = Field(4, ge=1, description="complete groups a trainer step takes (T)")
     oversubscription: float = Field(2.0, ge=1.0, description="groups kept running per group consumed")
     async_level: int = Field(3, ge=0, description="max policy lag of trained data")
-    max_turns: int = Field(30, ge=1)
-    max_tokens: int = Field(32768, ge=16)
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    env_in_thread: bool = Field(True, description="False: a single-threaded, reproducible schedule")
+    episode: EpisodeConfig = Field(EpisodeConfig(), description="every rollout's episode settings (turn cap, "
+                                   "stream-length cap, sampling)")
     reprefill_on_update: bool = Field(False, description="after each weight update, recompute the KV of carried "
                                       "(unfinished) episodes under the new policy, as KV4-RL does; default: keep it")
 
@@ -153,12 +146,12 @@ class Config(Section):
         if i.batch_invariant != (self.trainer.impl == "invariant"):
             raise ValueError("inference.batch_invariant = true and trainer.impl = 'invariant' go together: the "
                              "logprobs match only when both sides run the batch-invariant kernels")
-        if i.batch_invariant and (i.kv_dtype != "bf16" or i.engine != "builtin"):
-            raise ValueError("inference.batch_invariant needs inference.kv_dtype = 'bf16' and inference.engine = "
-                             "'builtin' (INT4 rounding and SGLang's kernels are not replayed bit for bit)")
-        if c.budget is not None and c.budget > self.orchestrator.max_tokens:
-            raise ValueError(f"compaction.budget ({c.budget}) exceeds orchestrator.max_tokens "
-                             f"({self.orchestrator.max_tokens})")
+        if i.batch_invariant and i.engine != "builtin":
+            raise ValueError("inference.batch_invariant needs inference.engine = 'builtin' (SGLang's kernels are not "
+                             "replayed bit for bit)")
+        cap = self.orchestrator.episode.max_stream_tokens
+        if c.budget is not None and c.budget > cap:
+            raise ValueError(f"compaction.budget ({c.budget}) exceeds orchestrator.episode.max_stream_tokens ({cap})")
         o, running = self.orchestrator, running_episodes(self)
         if i.engine == "builtin" and i.max_streams < running:
             raise ValueError(f"inference.max_streams ({i.max_streams}) is below the {running} episodes the "

@@ -60,16 +60,12 @@ class EvalResult:
 
 def make_engine(cfg: Config, model_path: str, device: torch.device) -> Engine:
     """The run's inference engine (KV dtype, pool, INT8 side cache) on ``model_path``."""
-    i = cfg.inference
-    return Engine(model_path, kv_dtype=i.kv_dtype, device=device,
-                  dtype=torch.float32 if device.type == "cpu" else None, max_tokens=i.max_tokens,
-                  max_streams=i.max_streams, sink=i.sink, recent=i.recent, batch_invariant=i.batch_invariant)
+    return Engine.from_config(model_path, cfg.inference, device=device,
+                              dtype=torch.float32 if device.type == "cpu" else None)
 
 
 def episode_config(cfg: Config, temperature: float) -> EpisodeConfig:
-    o = cfg.orchestrator
-    return EpisodeConfig(max_turns=o.max_turns, max_tokens=o.max_tokens, max_new_tokens=o.max_new_tokens,
-                         temperature=temperature, top_p=o.top_p, env_in_thread=o.env_in_thread)
+    return cfg.orchestrator.episode.model_copy(update=dict(temperature=temperature))
 
 
 async def evaluate(stage: str, engine: Engine, taskset: TaskSet, tasks: list[Task], renderer: ChatRenderer,

@@ -23,10 +23,8 @@ class BuiltinInference:
     def __init__(self, cfg: InferenceConfig, model_path: str, device: torch.device):
         from kvstreams_sglang.engine import Engine
 
-        self.engine = Engine(model_path, kv_dtype=cfg.kv_dtype, device=device,
-                             dtype=torch.float32 if device.type == "cpu" else None, max_tokens=cfg.max_tokens,
-                             max_streams=cfg.max_streams, sink=cfg.sink, recent=cfg.recent,
-                             batch_invariant=cfg.batch_invariant)
+        self.engine = Engine.from_config(model_path, cfg, device=device,
+                                         dtype=torch.float32 if device.type == "cpu" else None)
         self.client = BuiltinClient(self.engine)
 
     async def start(self) -> None:

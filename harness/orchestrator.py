@@ -16,7 +16,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from envs.rollout.agent_loop import EpisodeConfig, run_episode
+from envs.rollout.agent_loop import run_episode
 from envs.rollout.chat import ChatRenderer
 from envs.rollout.client import EngineClient
 from envs.rollout.compaction import CompactionConfig
@@ -78,9 +78,7 @@ class Orchestrator:
         self.tasks = taskset.tasks(split)
         if not self.tasks:
             raise ValueError(f"the environment has no tasks in split {split!r}")
-        self.episode_config = EpisodeConfig(max_turns=config.max_turns, max_tokens=config.max_tokens,
-                                            max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                            top_p=config.top_p, env_in_thread=config.env_in_thread)
+        self.episode_config = config.episode
         self.next_group = 0
         self.completed: deque[Group] = deque()
         self.running: dict[int, asyncio.Task] = {}

@@ -19,9 +19,9 @@ def play_tiny(tiny_model_path, make_env, system_prompt: str, tasks: list[Task], 
               turns: int = 5) -> tuple[list[Episode], AutoTokenizer]:
     """``turns`` turns of each task, concurrently, with compaction after 3 live turns."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path)
-    engine = Engine(str(tiny_model_path), max_tokens=16384, max_streams=8)
+    engine = Engine(str(tiny_model_path), kv_slots=16384, max_streams=8)
     renderer = ChatRenderer(tokenizer, system_prompt)
-    compaction = CompactionConfig(strategy=strategy, max_turns=3, stride=2, summary_max_tokens=6, pick_max_tokens=5)
+    compaction = CompactionConfig(strategy=strategy, window_turns=3, stride=2, summary_max_tokens=6, pick_max_tokens=5)
     config = EpisodeConfig(max_turns=turns, max_new_tokens=6)
     episodes = asyncio.run(run_episodes(BuiltinClient(engine), make_env, tasks, renderer, compaction, config, seed=1))
     return episodes, tokenizer

@@ -25,9 +25,9 @@ def hf_model(tiny_model_path):
 @pytest.mark.parametrize("execution", ["kv_streams", "reprefill"])
 @pytest.mark.parametrize("strategy", ["summary", "markovian_thinker", "markovian_pick", "sliding_window"])
 def test_every_strategy_and_execution_keeps_logprob_parity(strategy, execution, tiny_model_path, hf_model):
-    engine = Engine(str(tiny_model_path), max_tokens=8192, max_streams=8)
+    engine = Engine(str(tiny_model_path), kv_slots=8192, max_streams=8)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_path), FixedEnv.system_prompt)
-    compaction = CompactionConfig(strategy=strategy, execution=execution, max_turns=3, stride=2,
+    compaction = CompactionConfig(strategy=strategy, execution=execution, window_turns=3, stride=2,
                                   summary_max_tokens=6, pick_max_tokens=5)
     config = EpisodeConfig(max_turns=7, max_new_tokens=5)
     tasks = [Task(f"t{i}", "train") for i in range(2)]

@@ -139,7 +139,7 @@ def test_invariant_engine_and_trainer_logprobs_are_bit_equal_in_bf16(tiny_bf16):
     trainer = AutoModelForCausalLM.from_pretrained(tiny_bf16, dtype=torch.bfloat16).eval()
     gaps = {}
     for invariant in (True, False):
-        eng = Engine(tiny_bf16, kv_dtype="bf16", device=DEV, dtype=torch.bfloat16, max_tokens=1024, max_streams=2,
+        eng = Engine(tiny_bf16, kv_dtype="bf16", device=DEV, dtype=torch.bfloat16, kv_slots=1024, max_streams=2,
                      batch_invariant=invariant)
         rec = _episode_with_reprefill(eng)
         assert rec.evictions and eng.stats.tokens_reprefilled_on_update > 0

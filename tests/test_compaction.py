@@ -39,10 +39,10 @@ def script(renderer):
 
 def run(renderer, strategy, execution, turns, **cfg):
     max_turns, stride = WINDOW.get(strategy, (10, 5))
-    compaction = CompactionConfig(strategy=strategy, execution=execution, max_turns=max_turns, stride=stride, **cfg)
+    compaction = CompactionConfig(strategy=strategy, execution=execution, window_turns=max_turns, stride=stride, **cfg)
     client = ScriptedClient(script(renderer))
     episode = asyncio.run(run_episode(client, FixedEnv(), Task("t", "train"), renderer, compaction,
-                                      EpisodeConfig(max_turns=turns, max_tokens=10**7)))
+                                      EpisodeConfig(max_turns=turns, max_stream_tokens=10**7)))
     return episode, client
 
 

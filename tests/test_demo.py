@@ -23,7 +23,8 @@ def tiny_demo(tmp_path_factory):
         "--environment.options", f'{{presets = ["easy"], n_train = 4, n_eval = 2, max_steps = 3, '
                                  f'cache_dir = "{games}", progress = false}}',
         "--environment.num_eval", "2", "--orchestrator.group_size", "2", "--orchestrator.groups_per_step", "1",
-        "--orchestrator.max_turns", "3", "--orchestrator.max_new_tokens", "4", "--inference.max_tokens", "8192",
+        "--orchestrator.episode.max_turns", "3", "--orchestrator.episode.max_new_tokens", "4",
+        "--inference.kv_slots", "8192",
         "--inference.max_streams", "16", "--sft.steps", "2", "--sft.episodes", "8", "--sft.episodes_per_step", "4",
         "--sft.check_every", "1", "--sft.stop_train_win_rate", "1.0", "--sft.check_games", "2",
         "--evaluation.expert_episodes", "4"])

@@ -44,7 +44,7 @@ def max_diff(model, record):
 
 
 def test_logprobs_without_eviction_equal_transformers(tiny_model_path, hf_model):
-    eng = Engine(str(tiny_model_path), max_tokens=2048)
+    eng = Engine(str(tiny_model_path), kv_slots=2048)
     sid = eng.open_stream(list(range(30, 90)))
     eng.generate(sid, max_new_tokens=12, seed=0)
     eng.append(sid, list(range(100, 120)))
@@ -53,7 +53,7 @@ def test_logprobs_without_eviction_equal_transformers(tiny_model_path, hf_model)
 
 
 def test_generation_after_eviction_equals_masked_reference(tiny_model_path, hf_model):
-    eng = Engine(str(tiny_model_path), max_tokens=2048)
+    eng = Engine(str(tiny_model_path), kv_slots=2048)
     sid = eng.open_stream(list(range(30, 70)))
     eng.generate(sid, max_new_tokens=8, seed=0)
     eng.append(sid, list(range(100, 130)))
@@ -73,7 +73,7 @@ def test_generation_after_eviction_equals_masked_reference(tiny_model_path, hf_m
 
 def test_random_appends_and_evictions_never_reprefill(tiny_model_path, hf_model):
     rng = random.Random(0)
-    eng = Engine(str(tiny_model_path), max_tokens=4096)
+    eng = Engine(str(tiny_model_path), kv_slots=4096)
     sid = eng.open_stream([rng.randrange(256) for _ in range(20)])
     for turn in range(8):
         eng.generate(sid, max_new_tokens=rng.randint(1, 6), seed=turn)
@@ -91,7 +91,7 @@ def test_random_appends_and_evictions_never_reprefill(tiny_model_path, hf_model)
 
 
 def test_invalid_evict_leaves_stream_and_pool_unchanged(tiny_model_path):
-    eng = Engine(str(tiny_model_path), max_tokens=512)
+    eng = Engine(str(tiny_model_path), kv_slots=512)
     sid = eng.open_stream(list(range(40)))
     eng.generate(sid, max_new_tokens=4, seed=0)
     st = eng.table.get(sid)
@@ -104,18 +104,18 @@ def test_invalid_evict_leaves_stream_and_pool_unchanged(tiny_model_path):
 
 def test_batched_generation_equals_one_stream_at_a_time(tiny_model_path):
     prompts = [list(range(30, 30 + n)) for n in (7, 25, 12)]
-    eng = Engine(str(tiny_model_path), max_tokens=2048)
+    eng = Engine(str(tiny_model_path), kv_slots=2048)
     sids = [eng.open_stream(p) for p in prompts]
     together = eng.generate_many([(s, SamplingParams(max_new_tokens=9, seed=i)) for i, s in enumerate(sids)])
     for i, p in enumerate(prompts):
-        solo = Engine(str(tiny_model_path), max_tokens=2048)
+        solo = Engine(str(tiny_model_path), kv_slots=2048)
         g = solo.generate(solo.open_stream(p), max_new_tokens=9, seed=i)
         assert g.token_ids == together[i].token_ids
         assert max(abs(a - b) for a, b in zip(g.logprobs, together[i].logprobs, strict=True)) <= 1e-5
 
 
 def test_async_streams_share_steps(tiny_model_path):
-    eng = Engine(str(tiny_model_path), max_tokens=4096)
+    eng = Engine(str(tiny_model_path), kv_slots=4096)
 
     async def episode(i):
         sid = eng.open_stream(list(range(40 + i, 60 + i)))
@@ -136,7 +136,7 @@ def test_async_streams_share_steps(tiny_model_path):
 
 
 def test_update_weights_keeps_kv_and_stamps_versions(tiny_model_path):
-    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    eng = Engine(str(tiny_model_path), kv_slots=1024)
     sid = eng.open_stream(list(range(50)))
     eng.generate(sid, max_new_tokens=3, seed=0)
     live, k_before = eng.live_tokens(sid), eng.pool.k[1].clone()
@@ -151,7 +151,7 @@ def test_update_weights_keeps_kv_and_stamps_versions(tiny_model_path):
 
 
 def test_sampling_is_seeded_and_respects_top_k(tiny_model_path):
-    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    eng = Engine(str(tiny_model_path), kv_slots=1024)
     a = eng.generate(eng.open_stream([1, 2, 3]), max_new_tokens=8, seed=7)
     b = eng.generate(eng.open_stream([1, 2, 3]), max_new_tokens=8, seed=7)
     assert a.token_ids == b.token_ids
@@ -164,7 +164,7 @@ def test_sampling_is_seeded_and_respects_top_k(tiny_model_path):
 
 
 def test_forcing_the_greedy_tokens_reproduces_the_greedy_run(tiny_model_path):
-    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    eng = Engine(str(tiny_model_path), kv_slots=1024)
     greedy = eng.generate(eng.open_stream(list(range(30, 50))), max_new_tokens=8, temperature=0)
     forced = eng.generate(eng.open_stream(list(range(30, 50))), forced_token_ids=greedy.token_ids)
     assert forced == greedy  # tokens, logprobs (bit for bit) and finish reason
@@ -175,7 +175,7 @@ def test_forced_tokens_report_their_logprobs_under_the_model(tiny_model_path, hf
     logprob under the (tempered) model distribution, as a sampled token is; here against the
     fp32 HF model scoring the same stream."""
     tokens = [7, 200, 13, 99, 250, 1]
-    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    eng = Engine(str(tiny_model_path), kv_slots=1024)
     sid = eng.open_stream(list(range(30, 50)))
     g = eng.generate(sid, forced_token_ids=tokens, seed=3)
     assert g.token_ids == tokens and g.finish_reason == "length"
@@ -193,7 +193,7 @@ def test_forced_tokens_report_their_logprobs_under_the_model(tiny_model_path, hf
 
 
 def test_kv4rl_engine_tracks_the_bf16_engine(tiny_model_path, hf_model, device):
-    eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=1024, max_streams=4, device=device,
+    eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", kv_slots=1024, max_streams=4, device=device,
                  dtype=torch.float32)
     sid = eng.open_stream(list(range(30, 230)))  # longer than sink + recent: both regions in use
     eng.generate(sid, max_new_tokens=4, seed=0)
@@ -213,7 +213,7 @@ def test_llama_checkpoints_load_and_match_transformers(tmp_path):
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=128, max_position_embeddings=4096)
     LlamaForCausalLM(config).save_pretrained(tmp_path / "llama")
-    eng = Engine(str(tmp_path / "llama"), max_tokens=1024)
+    eng = Engine(str(tmp_path / "llama"), kv_slots=1024)
     sid = eng.open_stream(list(range(10, 60)))
     eng.generate(sid, max_new_tokens=6, seed=0)
     eng.append(sid, list(range(70, 80)))
@@ -234,7 +234,7 @@ def test_kv4rl_cpu_reference_path_equals_the_triton_kernels(tiny_model_path, dev
 
     records = {}
     for impl in ("torch", "triton"):
-        eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=1024, max_streams=4, recent=32,
+        eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", kv_slots=1024, max_streams=4, recent=32,
                      dtype=torch.float32, device=device)
         eng.backend = KV4Backend(eng.pool, impl=impl, num_q_heads=eng.runner.num_heads)
         sids = [eng.open_stream(list(range(30, 110))), eng.open_stream(list(range(40, 90)))]

@@ -18,7 +18,7 @@ CAPACITY = 512
 
 
 def make(path, kv_dtype="bf16", **kw):
-    kw = dict(max_tokens=CAPACITY, max_streams=4, dtype=torch.float32) | kw
+    kw = dict(kv_slots=CAPACITY, max_streams=4, dtype=torch.float32) | kw
     return Engine(str(path), kv_dtype=kv_dtype, sink=4, recent=8, **kw)  # a small ring: decodes overwrite it
 
 
@@ -137,7 +137,7 @@ def test_a_forward_fault_fails_only_its_request(tiny_model_path, kv_dtype, api, 
 def test_out_of_slots_fails_the_requests_and_leaves_their_streams_usable(tiny_model_path):
     """Issue 25 E1: the requests used to stay behind, so their streams could not be closed, evicted
     or appended to, and the next generate ran them."""
-    eng = Engine(str(tiny_model_path), max_tokens=24, max_streams=4)
+    eng = Engine(str(tiny_model_path), kv_slots=24, max_streams=4)
     a, b = eng.open_stream(list(range(10))), eng.open_stream(list(range(10, 20)))
     with pytest.raises(OutOfSlotsError):
         eng.generate_many([(a, SamplingParams(max_new_tokens=10, seed=0)), (b, SamplingParams(max_new_tokens=10,
@@ -156,7 +156,7 @@ def test_out_of_slots_fails_the_requests_and_leaves_their_streams_usable(tiny_mo
 
 
 def test_a_refused_request_list_submits_nothing(tiny_model_path):
-    eng = Engine(str(tiny_model_path), max_tokens=64, max_streams=4)
+    eng = Engine(str(tiny_model_path), kv_slots=64, max_streams=4)
     a = eng.open_stream([1, 2, 3])
     with pytest.raises(RuntimeError, match="already generating"):
         eng.generate_many([(a, SamplingParams(max_new_tokens=2)), (a, SamplingParams(max_new_tokens=2))])
@@ -166,7 +166,7 @@ def test_a_refused_request_list_submits_nothing(tiny_model_path):
 
 def test_token_ids_are_checked_where_they_enter(tiny_model_path):
     """Issue 25 E2: ids >= vocab, negative ids and non-integers were accepted, then failed a step."""
-    eng = Engine(str(tiny_model_path), max_tokens=64, max_streams=4)
+    eng = Engine(str(tiny_model_path), kv_slots=64, max_streams=4)
     for ids, bad in (([1, 99999], "99999"), ([-1], "-1"), ([1, "a"], "'a'"), ([1.5], "1.5"), ([True], "True")):
         with pytest.raises(ValueError, match=f"open_stream: .*{bad}"):
             eng.open_stream(ids)
@@ -187,7 +187,7 @@ def test_an_id_that_slips_past_the_checks_fails_only_its_request(tiny_model_path
     """Issue 25 E2's repro: a bad id reaching the forward (here through a caller-held ledger,
     written behind the engine's back) used to leak its step's slots and corrupt the other
     streams of the batch."""
-    eng = Engine(str(tiny_model_path), max_tokens=64, max_streams=4)
+    eng = Engine(str(tiny_model_path), kv_slots=64, max_streams=4)
     good = eng.open_stream(list(range(30, 40)))
     ledger = StreamLedger([1, 2])
     bad = eng.open_stream(ledger)
@@ -195,7 +195,7 @@ def test_an_id_that_slips_past_the_checks_fails_only_its_request(tiny_model_path
     with pytest.raises(IndexError):
         eng.generate_many([(good, SamplingParams(max_new_tokens=4, temperature=0)),
                            (bad, SamplingParams(max_new_tokens=4, temperature=0))])
-    fresh = Engine(str(tiny_model_path), max_tokens=64, max_streams=4)
+    fresh = Engine(str(tiny_model_path), kv_slots=64, max_streams=4)
     f = fresh.open_stream(list(range(30, 40)))
     fresh.generate(f, max_new_tokens=4, temperature=0)
     assert eng.ledger(good).to_record() == fresh.ledger(f).to_record()  # good ran on as if alone
@@ -207,12 +207,12 @@ def test_an_id_that_slips_past_the_checks_fails_only_its_request(tiny_model_path
 
 def test_an_over_long_context_fails_its_request_only_and_leaks_nothing(tiny_model_path):
     """Issue 25 E3: exceeding max_context raised after the step's slots were allocated."""
-    eng = Engine(str(tiny_model_path), max_tokens=64, max_streams=4, max_context=16)
+    eng = Engine(str(tiny_model_path), kv_slots=64, max_streams=4, max_context=16)
     s1, s2 = eng.open_stream(list(range(30, 40))), eng.open_stream(list(range(20)))
     with pytest.raises(RuntimeError, match="max_context=16"):  # a ContextLengthError
         eng.generate_many([(s1, SamplingParams(max_new_tokens=4, seed=0)), (s2, SamplingParams(max_new_tokens=4,
                                                                                                 seed=1))])
-    solo = Engine(str(tiny_model_path), max_tokens=64, max_streams=4, max_context=16)
+    solo = Engine(str(tiny_model_path), kv_slots=64, max_streams=4, max_context=16)
     x = solo.open_stream(list(range(30, 40)))
     solo.generate(x, max_new_tokens=4, seed=0)
     assert eng.ledger(s1).to_record() == solo.ledger(x).to_record()  # s1 ran on as if alone
@@ -225,7 +225,7 @@ def test_an_over_long_context_fails_its_request_only_and_leaks_nothing(tiny_mode
 def test_evict_refuses_non_integer_spans(tiny_model_path):
     """Issue 25 m1: (1.7, 2.2) used to be truncated to [1, 2); refused now (by the ledger's
     ``check_spans``), nothing changed. Integer types other than int are fine."""
-    eng = Engine(str(tiny_model_path), max_tokens=64, max_streams=4)
+    eng = Engine(str(tiny_model_path), kv_slots=64, max_streams=4)
     sid = eng.open_stream(list(range(10)))
     eng.generate(sid, max_new_tokens=2, seed=0)
     before = engine_state(eng)
@@ -237,7 +237,7 @@ def test_evict_refuses_non_integer_spans(tiny_model_path):
 
 
 def test_a_cancelled_waiter_stops_its_generation(tiny_model_path):
-    eng = Engine(str(tiny_model_path), max_tokens=256, max_streams=4)
+    eng = Engine(str(tiny_model_path), kv_slots=256, max_streams=4)
     a, b = eng.open_stream(list(range(20))), eng.open_stream(list(range(30, 40)))
 
     async def main():

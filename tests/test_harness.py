@@ -22,8 +22,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def small(tmp_path, name, *extra):
     return load_config(os.path.join(ROOT, "configs/demo.toml"), [
         "--run.output_dir", str(tmp_path / name), "--orchestrator.group_size", "2",
-        "--orchestrator.groups_per_step", "2", "--orchestrator.max_turns", "5", "--run.steps", "3",
-        "--compaction.max_turns", "2", "--compaction.stride", "1", *extra])
+        "--orchestrator.groups_per_step", "2", "--orchestrator.episode.max_turns", "5", "--run.steps", "3",
+        "--compaction.window_turns", "2", "--compaction.stride", "1", *extra])
 
 
 needs_a_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -88,7 +88,8 @@ def test_max_streams_equal_to_the_orchestrators_concurrency_is_enough():
 def tiny_cli(out, *extra):
     """A one-step CLI run at the smallest size (a few seconds)."""
     return ["configs/demo.toml", "--run.output_dir", str(out), "--run.steps", "1", "--orchestrator.group_size", "2",
-            "--orchestrator.groups_per_step", "1", "--orchestrator.max_turns", "2", "--orchestrator.env_in_thread",
+            "--orchestrator.groups_per_step", "1", "--orchestrator.episode.max_turns", "2",
+            "--orchestrator.episode.env_in_thread",
             "false", "--no-overlap", *extra]
 
 
@@ -246,7 +247,7 @@ def test_three_step_run_per_strategy(strategy, execution, tmp_path):
                 "--compaction.execution", execution, "--compaction.summary_max_tokens", "4",
                 "--compaction.pick_max_tokens", "4", "--environment.name", "textworld",
                 "--environment.options", '{presets = ["short"], n_train = 4, n_eval = 0, max_steps = 6}',
-                "--orchestrator.max_new_tokens", "6")
+                "--orchestrator.episode.max_new_tokens", "6")
     rows = asyncio.run(run(cfg, overlap=False))
     assert [r["step"] for r in rows] == [0, 1, 2]
     reprefilled = sum(r["tokens_reprefilled"] for r in rows)
@@ -257,7 +258,7 @@ def test_three_step_run_per_strategy(strategy, execution, tmp_path):
 
 def test_no_trained_sample_is_staler_than_async_level(tmp_path):
     cfg = small(tmp_path, "lag", "--orchestrator.async_level", "1", "--orchestrator.oversubscription", "3",
-                "--run.steps", "5", "--environment.options.rooms", "4", "--orchestrator.max_turns", "8")
+                "--run.steps", "5", "--environment.options.rooms", "4", "--orchestrator.episode.max_turns", "8")
     rows = asyncio.run(run(cfg, overlap=True))
     assert all(r["max_lag"] <= 1 for r in rows)
     assert max(int(k) for r in rows for k in r["lag_histogram"]) >= 1  # off-policy data was actually used
@@ -268,8 +269,8 @@ def test_no_trained_sample_is_staler_than_async_level(tmp_path):
 def run_cli(out, steps, *extra):
     return [sys.executable, "-m", "harness.run", "configs/demo.toml", "--run.output_dir", str(out), "--run.steps",
             str(steps), "--run.checkpoint_every", "2", "--orchestrator.group_size", "2",
-            "--orchestrator.groups_per_step", "2", "--orchestrator.max_turns", "5",
-            "--orchestrator.env_in_thread", "false", "--no-overlap", *extra]
+            "--orchestrator.groups_per_step", "2", "--orchestrator.episode.max_turns", "5",
+            "--orchestrator.episode.env_in_thread", "false", "--no-overlap", *extra]
 
 
 def run_checked(cmd, env):
@@ -301,9 +302,9 @@ def test_killed_run_resumes_with_the_same_trained_data(tmp_path):
 def test_reward_rises_on_the_toy_corridor(tmp_path):
     cfg = load_config(os.path.join(ROOT, "configs/demo.toml"), [
         "--run.output_dir", str(tmp_path / "learn"), "--run.steps", "16", "--run.checkpoint_every", "100",
-        "--orchestrator.env_in_thread", "false",
+        "--orchestrator.episode.env_in_thread", "false",
         "--environment.options.doors", "left", "--orchestrator.groups_per_step", "2", "--trainer.lr", "2e-2",
-        "--orchestrator.max_new_tokens", "2"])
+        "--orchestrator.episode.max_new_tokens", "2"])
     rows = asyncio.run(run(cfg, overlap=False))
     first, last = [r["reward"] for r in rows[:4]], [r["reward"] for r in rows[-4:]]
     print("reward per step:", [round(r["reward"], 3) for r in rows])
@@ -373,7 +374,7 @@ def test_reprefill_on_update_recomputes_carried_episodes(tmp_path):
     from harness.orchestrator import Orchestrator
     from harness.run import build_trainer, sync_weights
 
-    cfg = small(tmp_path, "carried", "--orchestrator.max_turns", "12", "--environment.options.rooms", "10")
+    cfg = small(tmp_path, "carried", "--orchestrator.episode.max_turns", "12", "--environment.options.rooms", "10")
 
     async def scenario():
         trainer, path, _ = build_trainer(cfg, resume=False)

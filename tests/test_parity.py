@@ -23,7 +23,7 @@ def diffs(record, trainer_lp):
 
 @pytest.mark.parametrize("name", list(EVICTION_PATTERNS))
 def test_trainer_logprobs_equal_sampler_logprobs(name, tiny_model_path, hf_model):
-    eng = Engine(str(tiny_model_path), max_tokens=4096)
+    eng = Engine(str(tiny_model_path), kv_slots=4096)
     record = scripted_episode(eng, **EVICTION_PATTERNS[name])
     assert record.evictions, "the pattern must evict something"
     with torch.no_grad():
@@ -35,7 +35,7 @@ def test_trainer_logprobs_equal_sampler_logprobs(name, tiny_model_path, hf_model
 
 def test_kv4rl_train_infer_gap_is_reported(tiny_model_path, hf_model, device):
     """The monitored gap, not a failure: KV4 storage changes what the sampler computed."""
-    eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=4096, max_streams=4, device=device,
+    eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", kv_slots=4096, max_streams=4, device=device,
                  dtype=torch.float32)
     record = scripted_episode(eng, **EVICTION_PATTERNS["drop_oldest_half"])
     with torch.no_grad():

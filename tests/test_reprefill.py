@@ -59,7 +59,7 @@ def snapshot(eng):
 
 @pytest.mark.parametrize("reprefill", [False, True])
 def test_reprefill_makes_the_sampler_replay_the_new_policy(tiny_model_path, new_weights, new_model, reprefill):
-    eng = Engine(str(tiny_model_path), max_tokens=2048)
+    eng = Engine(str(tiny_model_path), kv_slots=2048)
     a = build_stream(eng)
     eng.prefill(a)  # stream a: nothing pending
     b = build_stream(eng, offset=3)
@@ -90,7 +90,7 @@ def test_reprefill_makes_the_sampler_replay_the_new_policy(tiny_model_path, new_
 def test_reprefill_with_a_generation_in_flight(tiny_model_path, new_weights, new_model):
     """The async loop updates weights while episodes are mid-generation: the client's
     ``reprefill_streams`` recomputes those streams too, between two scheduler steps."""
-    eng = Engine(str(tiny_model_path), max_tokens=2048)
+    eng = Engine(str(tiny_model_path), kv_slots=2048)
     client = BuiltinClient(eng)
     sid = build_stream(eng)
     eng.append(sid, list(range(180, 190)))
@@ -129,7 +129,7 @@ def test_kv4_reprefill_tracks_the_new_policy(tiny_model_path, new_weights, new_m
     tolerance: max |diff| < 0.1 nat, as for the KV4 engine without updates."""
     results = {}
     for reprefill in (False, True):
-        eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", max_tokens=256, max_streams=2, sink=4, recent=8,
+        eng = Engine(str(tiny_model_path), kv_dtype="kv4rl", kv_slots=256, max_streams=2, sink=4, recent=8,
                      dtype=torch.float32)
         sid = eng.open_stream(list(range(30, 60)))
         eng.generate(sid, max_new_tokens=4, seed=0)
@@ -158,7 +158,7 @@ def test_kv4_reprefill_tracks_the_new_policy(tiny_model_path, new_weights, new_m
 
 
 def test_reprefill_of_an_unknown_stream_changes_nothing(tiny_model_path, new_weights):
-    eng = Engine(str(tiny_model_path), max_tokens=1024)
+    eng = Engine(str(tiny_model_path), kv_slots=1024)
     sid = build_stream(eng)
     eng.update_weights(new_weights)
     before, k0, stats = snapshot(eng), eng.pool.k[0].clone(), eng.stats.tokens_reprefilled

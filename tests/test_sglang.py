@@ -82,7 +82,7 @@ def test_sglang_logprobs_equal_trainer_replay(bf16_run, hf_model):
 
 def builtin_kv4_turns(model: Path) -> list[tuple[list[int], list[float]]]:
     """The same session on our built-in engine with kv4rl KV."""
-    eng = Engine(str(model), kv_dtype="kv4rl", max_tokens=2048, max_streams=4, dtype=torch.float32)
+    eng = Engine(str(model), kv_dtype="kv4rl", kv_slots=2048, max_streams=4, dtype=torch.float32)
     sid = eng.open_stream(script.PROMPT)
     out = []
     for t, obs in enumerate([None, *script.OBS[:3]]):
@@ -297,10 +297,10 @@ def test_harness_trains_textworld_on_an_sglang_server(kv4rl_server, tiny_model_p
     cfg = load_config(str(ROOT / "configs/textworld/sliding_window.toml"), [
         "--run.output_dir", str(tmp_path / "run"), "--run.steps", "3", "--model.path", str(tiny_model_path),
         "--inference.engine", "sglang", "--inference.url", kv4rl_server, "--inference.kv_dtype", "kv4rl",
-        "--compaction.max_turns", "2", "--compaction.budget", "4096", "--orchestrator.group_size", "2",
+        "--compaction.window_turns", "2", "--compaction.budget", "4096", "--orchestrator.group_size", "2",
         "--orchestrator.groups_per_step", "1", "--orchestrator.oversubscription", "4",
-        "--orchestrator.max_turns", "8", "--orchestrator.max_tokens",
-        "4096", "--orchestrator.max_new_tokens", "6", "--orchestrator.env_in_thread", "false",
+        "--orchestrator.episode.max_turns", "8", "--orchestrator.episode.max_stream_tokens",
+        "4096", "--orchestrator.episode.max_new_tokens", "6", "--orchestrator.episode.env_in_thread", "false",
         "--environment.options", '{presets = ["short"], n_train = 4, n_eval = 0, max_steps = 6}',
         "--trainer.lr", "1e-3"])
     rows = asyncio.run(run(cfg))

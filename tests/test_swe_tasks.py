@@ -240,9 +240,9 @@ def json_action(command, **args):
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_random_tiny_model_plays_until_the_turn_cap(strategy, taskset, repos, tiny_model_path):
-    engine = Engine(str(tiny_model_path), max_tokens=16384, max_streams=2)
+    engine = Engine(str(tiny_model_path), kv_slots=16384, max_streams=2)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_path), SweEnv.system_prompt)
-    compaction = CompactionConfig(strategy=strategy, max_turns=3, stride=1, summary_max_tokens=8, pick_max_tokens=8)
+    compaction = CompactionConfig(strategy=strategy, window_turns=3, stride=1, summary_max_tokens=8, pick_max_tokens=8)
     config = EpisodeConfig(max_turns=4, max_new_tokens=8)
     start = time.monotonic()
     (episode,) = asyncio.run(run_episodes(BuiltinClient(engine), taskset.make_env, taskset.tasks("eval")[:1],

@@ -31,7 +31,8 @@ class EpisodeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_turns: int = Field(30, ge=1, description="turn cap per episode")
-    max_tokens: int = Field(32768, ge=16, description="stream-length cap (all tokens ever in the stream)")
+    max_stream_tokens: int = Field(32768, ge=16, description="stream-length cap (all tokens ever in the stream, "
+                                   "evicted ones included); not the KV pool's size (inference.kv_slots)")
     max_new_tokens: int = Field(128, ge=1, description="assistant tokens per turn")
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -203,8 +204,8 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
         if result.done:
             won, finish = bool(result.info.get("won", result.reward > 0)), "done"
             break
-        if conv.end >= config.max_tokens:
-            finish = "max_tokens"
+        if conv.end >= config.max_stream_tokens:
+            finish = "max_stream_tokens"
             break
         if turn == config.max_turns - 1:
             break  # the last turn stays unfinished: its answer would never be read

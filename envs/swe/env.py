@@ -44,7 +44,7 @@ class SweEnvConfig(BaseModel):
 def swe_compaction(strategy: str = "sliding_window", **overrides) -> CompactionConfig:
     """Compaction defaults for SWE episodes (long: tens of tool calls with large outputs): compact
     every 30 turns, or as soon as the live context passes 64k tokens."""
-    return CompactionConfig(**{"strategy": strategy, "max_turns": 30, "every_k_turns": 30, "budget": 65536,
+    return CompactionConfig(**{"strategy": strategy, "window_turns": 30, "every_k_turns": 30, "budget": 65536,
                                **overrides})
 
 

@@ -26,12 +26,14 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from pydantic import ValidationError
 
 from trainer_masks import StreamLedger
 
 from ..streams import ContextLengthError, FullPrecisionPool, KV4Pool, KVStream, OutOfSlotsError, SlotTable, StreamTable
 from .attention import FullPrecisionBackend, KV4Backend
 from .batch import StepItem, build_replay_batch
+from .config import EngineConfig
 from .model_runner import ModelRunner
 from .replay import replay
 from .sampling import SamplingParams, sample_batch
@@ -101,31 +103,39 @@ class _Undo:
 
 
 class Engine:
+    @classmethod
+    def from_config(cls, model_path: str, config: EngineConfig, *, device="cpu", dtype: torch.dtype | None = None,
+                    **kw) -> Engine:
+        """An engine with ``config``'s settings (the harness's ``[inference]`` section is one)."""
+        fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
+        return cls(model_path, device=device, dtype=dtype, **fields, **kw)
+
     def __init__(self, model_path: str, *, kv_dtype: Literal["bf16", "kv4rl"] = "bf16", device="cpu",
-                 dtype: torch.dtype | None = None, max_tokens: int = 65536, max_streams: int = 256,
+                 dtype: torch.dtype | None = None, kv_slots: int = 65536, max_streams: int = 256,
                  sink: int = 16, recent: int = 128, max_prefill_tokens: int = 16384,
                  max_context: int | None = None, batch_invariant: bool = False):
-        if kv_dtype not in ("bf16", "kv4rl"):
-            raise ValueError(f"kv_dtype must be 'bf16' or 'kv4rl', got {kv_dtype!r}")
-        if batch_invariant and kv_dtype != "bf16":
-            raise ValueError("batch_invariant needs kv_dtype='bf16': the trainer cannot replay INT4 rounding "
-                             "bit for bit")
+        try:  # the settings' one validation (the same as a run's [inference] section gets)
+            EngineConfig(kv_dtype=kv_dtype, kv_slots=kv_slots, max_streams=max_streams, sink=sink, recent=recent,
+                         max_prefill_tokens=max_prefill_tokens, max_context=max_context,
+                         batch_invariant=batch_invariant)
+        except ValidationError as e:
+            raise ValueError(f"Engine: {'; '.join(err['msg'] for err in e.errors())}") from None
         self.device = torch.device(device)
         self.runner = ModelRunner(model_path, device=self.device, dtype=dtype, batch_invariant=batch_invariant)
         r = self.runner
         self.kv_dtype = kv_dtype
         if kv_dtype == "kv4rl":
-            pool = KV4Pool(r.num_layers, max_tokens, max_streams, r.num_kv_heads, r.head_dim, sink=sink,
+            pool = KV4Pool(r.num_layers, kv_slots, max_streams, r.num_kv_heads, r.head_dim, sink=sink,
                            recent=recent, device=self.device)
             self.backend = KV4Backend(pool, num_q_heads=r.num_heads, max_streams=max_streams)
         else:
-            pool = FullPrecisionPool(r.num_layers, max_tokens, r.num_kv_heads, r.head_dim, dtype=r.dtype,
+            pool = FullPrecisionPool(r.num_layers, kv_slots, r.num_kv_heads, r.head_dim, dtype=r.dtype,
                                      device=self.device)
             self.backend = FullPrecisionBackend(pool, invariant=batch_invariant,
                                                  gqa_group=r.num_heads // r.num_kv_heads)
         self.pool = pool
-        self.table = StreamTable(max_tokens, max_streams)
-        self.slot_table = SlotTable(max_streams, max_context or min(max_tokens, 65536), self.device)
+        self.table = StreamTable(kv_slots, max_streams)
+        self.slot_table = SlotTable(max_streams, max_context or min(kv_slots, 65536), self.device)
         self.max_prefill_tokens = max_prefill_tokens
         self.vocab_size = r.vocab_size
         self.policy_version = 0

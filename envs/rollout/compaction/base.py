@@ -26,7 +26,8 @@ class CompactionConfig(BaseModel):
 
     strategy: StrategyName = "sliding_window"
     execution: Literal["kv_streams", "reprefill"] = "kv_streams"
-    max_turns: int = Field(10, ge=1, description="live turns that trigger turn-window strategies")
+    window_turns: int = Field(10, ge=1, description="live turns that trigger the turn-window strategies (not the "
+                              "episode's turn cap, orchestrator.episode.max_turns)")
     stride: int = Field(5, ge=1, description="oldest turns evicted per compaction (window strategies)")
     every_k_turns: int | None = Field(None, ge=1, description="also compact every k completed turns")
     budget: int | None = Field(None, ge=1, description="also compact when live context exceeds B tokens")
@@ -35,8 +36,8 @@ class CompactionConfig(BaseModel):
 
     @model_validator(mode="after")
     def _stride_fits(self) -> CompactionConfig:
-        if self.stride > self.max_turns:
-            raise ValueError(f"stride ({self.stride}) must not exceed max_turns ({self.max_turns})")
+        if self.stride > self.window_turns:
+            raise ValueError(f"stride ({self.stride}) must not exceed window_turns ({self.window_turns})")
         return self
 
 

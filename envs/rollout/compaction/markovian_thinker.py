@@ -1,4 +1,4 @@
-"""Markovian Thinker: when ``max_turns`` (10) live turns accumulate, evict the oldest
+"""Markovian Thinker: when ``window_turns`` (10) live turns accumulate, evict the oldest
 ``stride`` (5): the context restarts from half a window (overlap o = B/2, no summary)."""
 
 from __future__ import annotations

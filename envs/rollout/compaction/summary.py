@@ -18,7 +18,7 @@ class Summary(Strategy):
     def triggered(self, view: EpisodeView) -> bool:
         c = self.config
         if c.every_k_turns is None and c.budget is None:
-            return len(view.turns) >= c.max_turns
+            return len(view.turns) >= c.window_turns
         return super().triggered(view)
 
     async def compact(self, view, conversation) -> Compaction:
