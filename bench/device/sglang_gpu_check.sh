@@ -35,7 +35,7 @@ python3 -m kvstreams_sglang.checkpoints "$MODEL" --num-layers 4 --hidden-size 10
   --head-dim 128 --dtype bfloat16 --device cuda 2>&1 | tee -a "$OUT/env.txt"
 export KVSTREAMS_GPU_MODEL=$MODEL
 
-timeout ${PYTEST_TIMEOUT:-480} python3 -m pytest -q -p no:cacheprovider -rA -s --durations=10 \
+timeout ${PYTEST_TIMEOUT:-510} python3 -m pytest -q -p no:cacheprovider -rA -s --durations=10 \
   tests/test_sglang_gpu.py tests/test_kernels_decode.py -x 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
 
