@@ -1,4 +1,4 @@
-"""The KV4 storage format: INT4/INT8 round trips, bits per element, the Hadamard rotation."""
+"""The KV4 storage format: INT4/INT8 round trips, bits per element, the Hadamard rotation, the region lists."""
 
 import torch
 
@@ -11,6 +11,7 @@ from kvstreams_sglang.kv4 import (
     quantize_int4,
     quantize_int8,
 )
+from kvstreams_sglang.kv4.regions import region_lists
 
 
 def test_int4_round_trip_error_is_at_most_half_a_step():
@@ -82,3 +83,20 @@ def test_hadamard_rejects_non_power_of_two():
 def test_int4_tensor_shape_reports_unpacked_dimension():
     t = quantize_int4(torch.randn(2, 3, 128))
     assert isinstance(t, Int4Tensor) and t.shape == (2, 3, 128)
+
+
+def test_region_lists_with_a_host_bound_equal_the_synced_lists():
+    """``capacity`` (CUDA-graph planning: no host sync) gives the same CSR lists, padded to the bound."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.tensor([1, 4, 2])
+    slots = torch.randint(1, 1000, (3, 50), generator=g)
+    positions = torch.sort(torch.randint(0, 300, (3, 50), generator=g), dim=1).values
+    valid = torch.arange(50)[None] < torch.tensor([[50], [3], [31]])
+    end = positions.max(1).values + 1
+    synced = region_lists(rows, slots, positions, valid, end, sink=4, recent=16)
+    bound = region_lists(rows, slots, positions, valid, end, sink=4, recent=16, capacity=int(valid.sum()))
+    assert bound["kv_indices"].numel() == int(valid.sum()) and bound["side_indices"].numel() == 3 * (4 + 16)
+    for name in ("kv", "side"):
+        indptr = synced[f"{name}_indptr"]
+        assert torch.equal(bound[f"{name}_indptr"], indptr)
+        assert torch.equal(bound[f"{name}_indices"][: int(indptr[-1])], synced[f"{name}_indices"])

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("sglang") is None,
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
+import sglang_graph_step as graph_steps  # noqa: E402
 import sglang_session as script  # noqa: E402
 from ports import free_port  # noqa: E402
 
@@ -172,7 +173,8 @@ def test_kv4rl_capacity_sizing(kv4_run, bf16_run, tiny_model_path):
     ratio = bf16_cell / info["cell_bytes"]
     print(f"token capacity per byte: kv4rl / bf16 = {ratio:.3f}")
     assert 3.6 <= ratio <= 3.8
-    side = info["max_running_requests"] * (16 + 128) * 2 * layers * heads * (d + 2)
+    # one INT8 row per req_to_token row: the requests' and SGLang's reserved row 0
+    side = (info["max_running_requests"] + 1) * (16 + 128) * 2 * layers * heads * (d + 2)
     assert info["kv_bytes"] == info["cell_bytes"] * (info["total_tokens"] + 1) + side
     assert bf16_run["pool_start"]["cell_bytes"] == bf16_cell * 2  # fp32 KV in the parity run: 4 bytes/element
 
@@ -187,12 +189,22 @@ cases = {
     "dtype": dict(kv4rl=True, kv_cache_dtype="fp8_e5m2"),
     "sink": dict(kv4rl=True, kv4rl_sink=-1),
 }
-for name, kw in cases.items():
-    try:
-        KVStreamsServerArgs(model_path=sys.argv[1], device="cpu", **kw)
-        print(name, "ACCEPTED")
-    except ServerArgsError as e:
-        print(name, "|", e)
+cuda_cases = {  # graph modes are checked on the resolved config (device cuda: it resolves on a CPU box too)
+    "prefill_graph": dict(kv4rl=True, cuda_graph_backend_prefill="full"),
+    "decode_graph": dict(kv4rl=True, cuda_graph_backend_decode="breakable"),
+    "compile": dict(kv4rl=True, enable_torch_compile=True),
+    "mixed": dict(kv4rl=True, enable_mixed_chunk=True),
+    "prefill_backend": dict(kv4rl=True, prefill_attention_backend="flashinfer"),
+}
+for device, group in (("cpu", cases), ("cuda", cuda_cases)):
+    for name, kw in group.items():
+        try:
+            KVStreamsServerArgs(model_path=sys.argv[1], device=device, **kw)
+            print(name, "ACCEPTED")
+        except ServerArgsError as e:
+            print(name, "|", e)
+b = KVStreamsServerArgs(model_path=sys.argv[1], device="cuda", kv4rl=True)
+print("graphs", b.cuda_graph_config.decode.backend, "radix off", b.disable_radix_cache)
 a = KVStreamsServerArgs(model_path=sys.argv[1], device="cpu", kv4rl=True, enable_kv_streams=True)
 print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_streaming_session,
       a.disable_overlap_schedule, a.max_running_requests)
@@ -203,7 +215,26 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ACCEPTED" not in out, out
     assert "--page-size must be 1" in out and "drop --attention-backend" in out and "--kv-cache-dtype" in out
+    assert "prefill CUDA graph backend must be 'breakable'" in out and "'breakable' decode graph" in out
+    assert "--enable-torch-compile" in out and "--enable-mixed-chunk" in out and "--prefill-attention-backend" in out
     assert "ok kv4rl 1 True True True 256" in out
+    assert "graphs full radix off True" in out  # --kv4rl keeps decode graphs on; its side cache is per row
+
+
+def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):
+    """The kv4rl backend's CUDA-graph hooks, called as SGLang's decode graph runner calls them (plan on a dummy
+    capture batch; before each replay, the padded view: padding rows at req_pool_idx 0, seq_len = the fill value,
+    position 0, out_cache_loc unpadded), compute every decode step bit for bit as the eager path: the same outputs on
+    the real rows, the same KV bytes and slot positions wherever a real request can read (a compacted row and an eager
+    extend between steps included); padding rows write only the padding slot, never an INT8 side entry."""
+    res = graph_steps.run(tmp_path / "steps.json", "cpu", sglang_env())
+    steps = res["steps"]
+    assert res["fill"] == 1
+    assert {s["bs"] > len(s["rows"]) for s in steps} == {True, False}  # padded and exact batches
+    assert max(s["lengths"][s["rows"].index(3)] for s in steps if 3 in s["rows"]) > 16 + 4  # an INT4 region
+    for s in steps:
+        assert s["bitwise"] and s["max_diff"] == 0.0, s
+        assert s["caches_equal"] and s["row0_side_untouched"], s
 
 
 def wait_ready(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:

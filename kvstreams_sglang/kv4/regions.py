@@ -35,22 +35,38 @@ def side_slots_of(rows: torch.Tensor, positions: torch.Tensor, *, sink: int, rec
     return torch.where((positions < sink) | (recent > 0), slot, -1)
 
 
-def csr(select: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-major selection of ``values [B, L]`` where ``select`` -> (indptr [B+1], indices int32)."""
+def csr(select: torch.Tensor, values: torch.Tensor, *,
+        capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-major selection of ``values [B, L]`` where ``select`` -> (indptr [B+1], indices int32).
+
+    ``capacity`` (a host-known upper bound of the number selected): no host sync (a boolean
+    index needs the count on the host first); ``indices`` then has ``capacity`` entries, the
+    same as without it up to ``indptr[-1]`` and unspecified after. A CUDA graph's planner
+    copies a length it knows without asking the device."""
     indptr = torch.zeros(select.shape[0] + 1, dtype=torch.int32, device=select.device)
     indptr[1:] = torch.cumsum(select.sum(1), 0)
-    return indptr, values[select].to(torch.int32)
+    if capacity is None:
+        return indptr, values[select].to(torch.int32)
+    flat = select.reshape(-1)
+    rank = torch.cumsum(flat, 0) - 1  # each selected entry's place in the row-major list
+    dest = torch.where(flat, rank, capacity)  # the others land on one scratch entry past the end
+    indices = torch.zeros(capacity + 1, dtype=torch.int32, device=select.device)
+    indices.scatter_(0, dest, values.reshape(-1).to(torch.int32))
+    return indptr, indices[:capacity]
 
 
 def region_lists(rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                 end: torch.Tensor, *, sink: int, recent: int) -> dict[str, torch.Tensor]:
+                 end: torch.Tensor, *, sink: int, recent: int, capacity: int | None = None) -> dict[str, torch.Tensor]:
     """The per-sequence CSR lists the KV4 kernels read. Sequence ``b`` (row ``rows[b]``) holds
     ``slots[b, :]`` at logical ``positions[b, :]`` where ``valid``; ``end[b]`` is its next
     position. Returns ``kv_indptr/kv_indices`` (INT4 slots) and ``side_indptr/side_indices``
-    (INT8 side slots of the protected positions)."""
+    (INT8 side slots of the protected positions). ``capacity``: a host-known bound of
+    ``valid.sum()``, for lists built without a host sync (``csr``)."""
     protected = valid & protected_mask(positions, end[:, None], sink=sink, recent=recent)
-    kv_indptr, kv_indices = csr(valid & ~protected, slots)
-    side_indptr, side_indices = csr(protected, side_slots_of(rows[:, None], positions, sink=sink, recent=recent))
+    side_capacity = None if capacity is None else min(capacity, valid.shape[0] * (sink + recent))
+    kv_indptr, kv_indices = csr(valid & ~protected, slots, capacity=capacity)
+    side_indptr, side_indices = csr(protected, side_slots_of(rows[:, None], positions, sink=sink, recent=recent),
+                                    capacity=side_capacity)
     return dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr, side_indices=side_indices)
 
 

@@ -4,8 +4,19 @@
 pattern): each request's row of ``req_to_token`` with the logical positions of its tokens,
 split into the INT4 and INT8 region lists by the rule of ``kv4.regions``, and where the new
 tokens' INT8 copies go. The layers then run ``kernels.attend.kv4_attention_step``, the same step
-as the built-in engine: the Triton kernels on CUDA, their torch references elsewhere. The
+as the built-in engine: the Triton/CUDA kernels on CUDA, their torch references elsewhere. The
 backend writes the KV itself (quantise + scatter), so ``save_kv_cache=False`` is refused.
+
+CUDA graphs (SGLang 0.5.17's contract): decode steps are captured. ``init_cuda_graph_state``
+allocates what a captured step reads (``GraphBuffers``); ``init_forward_metadata_out_graph`` runs
+eagerly before the capture and before every replay, plans the step exactly as the eager path
+does (same lists, same ``slot_positions`` write) and copies the result into those buffers; the
+captured launches read only them, so ``init_forward_metadata_in_graph`` has nothing to record.
+The graph runner pads a batch to a captured size with rows of ``req_pool_idx`` 0, ``seq_len``
+1 (our fill value) and position 0; those rows get empty lists (their output is 0 and
+discarded), write their new token's INT4 codes to the padding slot 0 and no INT8 copy, so they
+never touch a real request's KV. Prefill ("breakable" graphs) runs attention eagerly through
+``init_forward_metadata``.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.runtime_context import get_parallel
 
 from ..kernels import KV4DecodeWorkspace
 from ..kernels.attend import kv4_attention_step
@@ -21,6 +33,7 @@ from ..kv4.regions import new_side_slots, region_lists
 from .pool import KV4TokenToKVPool
 
 BACKEND_NAME = "kv4rl"
+GRAPH_SEQ_LEN_FILL = 1  # a padded graph row's seq_len: the shortest a row can be, so it widens no gather
 
 
 @dataclass
@@ -32,6 +45,33 @@ class KV4StepMetadata:
     kv4: dict
     decode_plan: object | None
 
+    @property
+    def num_tokens(self) -> int:
+        return self.out_slots.numel()
+
+
+@dataclass
+class GraphBuffers:
+    """What a captured decode step reads besides the layer inputs, at fixed addresses; rewritten in
+    place before every replay."""
+
+    workspace: KV4DecodeWorkspace  # the region lists (static CSR buffers) and the kernels' partial results
+    out_slots: torch.Tensor  # [max_bs] int64: each new token's INT4 slot (padding rows: slot 0)
+    side_slots: torch.Tensor  # [max_bs] int64: its INT8 side slot (-1: none, as for every padding row)
+    qo_indptr: torch.Tensor  # [max_bs + 1] int32: 0, 1, ..., max_bs (one new token per request)
+
+    @classmethod
+    def empty(cls, max_bs: int, num_q_heads: int, pool: KV4TokenToKVPool, max_context: int, device) -> GraphBuffers:
+        workspace = KV4DecodeWorkspace(max_bs, num_q_heads, pool.head_num, pool.head_dim, max_context, device,
+                                       max_side=pool.sink + pool.recent)
+        return cls(workspace, torch.zeros(max_bs, dtype=torch.int64, device=device),
+                   torch.full((max_bs,), -1, dtype=torch.int64, device=device),
+                   torch.arange(max_bs + 1, dtype=torch.int32, device=device))
+
+    @property
+    def max_bs(self) -> int:
+        return self.out_slots.numel()
+
 
 class KV4RLAttnBackend(AttentionBackend):
     def __init__(self, model_runner):
@@ -42,57 +82,140 @@ class KV4RLAttnBackend(AttentionBackend):
                                f"(got {type(pool).__name__})")
         self.pool = pool
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
+        if pool.num_rows < self.req_to_token.shape[0]:
+            raise RuntimeError(f"kv4rl: the INT8 side cache has {pool.num_rows} request rows, req_to_token "
+                               f"{self.req_to_token.shape[0]} (SGLang's reserved row 0 included)")
         self.device = torch.device(model_runner.device)
         self.use_triton = self.device.type == "cuda"
+        self.num_q_heads = model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size
         self.forward_metadata: KV4StepMetadata | None = None
-        self.decode_workspace = None  # the decode kernels' partial outputs, tickets, launch arguments
+        self.decode_workspace = None  # the eager decode kernels' partial outputs, tickets, launch arguments
         if self.use_triton:
-            from sglang.srt.layers.dp_attention import get_attention_tp_size
+            self.decode_workspace = KV4DecodeWorkspace(self.req_to_token.shape[0], self.num_q_heads, pool.head_num,
+                                                       pool.head_dim, device=self.device)
+        self.graph: GraphBuffers | None = None  # CUDA graphs: set by init_cuda_graph_state
 
-            self.decode_workspace = KV4DecodeWorkspace(
-                model_runner.req_to_token_pool.size, model_runner.model_config.num_attention_heads
-                // get_attention_tp_size(), pool.head_num, pool.head_dim, device=self.device)
+    # ---- per step, eager ----
 
     def init_forward_metadata(self, forward_batch):
-        fm = forward_batch.forward_mode
+        fb = forward_batch
+        fm = fb.forward_mode
         if fm.is_idle():
             self.forward_metadata = None
             return
-        decode = fm.is_decode()
-        if not decode and fm.name != "EXTEND":
+        if fm.is_decode():
+            n = fb.req_pool_indices.numel()
+            out_slots = fb.out_cache_loc.long()
+            side_slots, kv4 = self._decode_lists(fb.req_pool_indices, fb.seq_lens, fb.positions, out_slots,
+                                                 *self._host_sizes(fb, n))
+            plan = self.decode_workspace.plan(**kv4) if self.use_triton else None
+            qo = torch.arange(n + 1, dtype=torch.int32, device=self.device)
+            self.forward_metadata = KV4StepMetadata("decode", qo, out_slots, side_slots, kv4, plan)
+            return
+        if fm.name != "EXTEND":
             raise NotImplementedError(f"kv4rl: forward mode {fm.name} is not supported (extend and decode only: no "
                                       "mixed chunks, no speculative decoding, no split prefill)")
         dev = self.device
-        rows = forward_batch.req_pool_indices.long()
-        seq_lens = forward_batch.seq_lens.long()
-        num_new = torch.ones_like(seq_lens) if decode else forward_batch.extend_seq_lens.long()
+        rows = fb.req_pool_indices.long()
+        seq_lens = fb.seq_lens.long()
+        num_new = fb.extend_seq_lens.long()
         prefix = seq_lens - num_new
         qo = torch.zeros(rows.numel() + 1, dtype=torch.int32, device=dev)
         qo[1:] = torch.cumsum(num_new, 0)
-        out_slots = forward_batch.out_cache_loc.long()
-        p_new = forward_batch.positions.long()
+        out_slots = fb.out_cache_loc.long()
+        p_new = fb.positions.long()
         sink, recent = self.pool.sink, self.pool.recent
         # every slot remembers the position its token was computed at (rows get compacted)
         self.pool.slot_positions[out_slots] = p_new.to(torch.int32)
 
-        width = int(seq_lens.max())
+        width = self._host_sizes(fb, rows.numel())[0]
         col = torch.arange(width, device=dev)[None]
         slots = self.req_to_token[rows, :width]
         positions = self.pool.slot_positions[slots.long()].long()
         first_new = p_new[qo[:-1].long()]
         end_after = p_new[qo[1:].long() - 1] + 1
-        stream_of = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), num_new)
+        stream_of = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), num_new,
+                                            output_size=out_slots.numel())
         side_slots = new_side_slots(rows[stream_of], p_new, end_after[stream_of], sink=sink, recent=recent)
-        if decode:  # the new token is stored first and attends to itself
-            valid, end = col < seq_lens[:, None], end_after
-        else:  # new tokens attend to each other in full precision, the prefix through KV4
-            valid, end = col < prefix[:, None], first_new
-        kv4 = region_lists(rows, slots, positions, valid, end, sink=sink, recent=recent)
-        plan = None
-        if decode and self.use_triton:
-            plan = self.decode_workspace.plan(**kv4)
-        self.forward_metadata = KV4StepMetadata("decode" if decode else "extend", qo, out_slots, side_slots, kv4,
-                                                plan)
+        # new tokens attend to each other in full precision, the prefix through KV4
+        kv4 = region_lists(rows, slots, positions, col < prefix[:, None], first_new, sink=sink, recent=recent)
+        self.forward_metadata = KV4StepMetadata("extend", qo, out_slots, side_slots, kv4, None)
+
+    def _decode_lists(self, rows, seq_lens, positions, out_slots, width: int, total: int | None = None):
+        """One decode step's plan, shared by the eager and the graph path: the new tokens' logical
+        positions go into ``slot_positions``, then each request's row (``seq_lens``, new token
+        included, the widest ``width``) is split into the region lists; the new token is stored
+        first and attends to itself. ``total``: a host bound of ``seq_lens.sum()`` for lists built
+        without a host sync (the graph path). Returns (the new tokens' side slots, the lists)."""
+        sink, recent = self.pool.sink, self.pool.recent
+        rows, seq_lens, p_new = rows.long(), seq_lens.long(), positions.long()
+        self.pool.slot_positions[out_slots] = p_new.to(torch.int32)
+        slots = self.req_to_token[rows, :width]  # [B, W]
+        kept = self.pool.slot_positions[slots.long()].long()  # [B, W] logical positions (rows get compacted)
+        valid = torch.arange(width, device=self.device)[None] < seq_lens[:, None]
+        end = p_new + 1
+        side_slots = new_side_slots(rows, p_new, end, sink=sink, recent=recent)
+        kv4 = region_lists(rows, slots, kept, valid, end, sink=sink, recent=recent, capacity=total)
+        return side_slots, kv4
+
+    @staticmethod
+    def _host_sizes(fb, n: int) -> tuple[int, int]:
+        """(longest row, sum of rows) of the first ``n`` requests, from the host mirror of ``seq_lens``
+        when SGLang keeps one (no device sync)."""
+        if n == 0:
+            return 0, 0
+        if fb.seq_lens_cpu is not None:
+            lens = fb.seq_lens_cpu[:n]
+            return int(lens.max()), int(lens.sum())
+        lens = fb.seq_lens[:n]
+        return int(lens.max()), int(lens.sum())
+
+    # ---- CUDA graphs (decode) ----
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
+        if max_num_tokens != max_bs:
+            raise NotImplementedError(f"kv4rl captures one token per request ({max_num_tokens} tokens for {max_bs} "
+                                      "requests: speculative decoding is not supported)")
+        # a request's INT4 list holds at most its row's slots: the row width, and no more than the pool has
+        max_context = min(self.req_to_token.shape[1], self.pool.size)
+        self.graph = GraphBuffers.empty(max_bs, self.num_q_heads, self.pool, max_context, self.device)
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return GRAPH_SEQ_LEN_FILL
+
+    def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
+        """Before a capture (``in_capture``: a dummy batch, planned as all padding) and before every
+        replay (``forward_batch``: the runner's padded view; its ``out_cache_loc`` holds the real
+        rows only): plan the step as ``init_forward_metadata`` does and copy it into the graph
+        buffers. Host sizes come from ``seq_lens_cpu``: no device sync."""
+        fb, g = forward_batch, self.graph
+        if g is None:
+            raise RuntimeError("kv4rl: init_cuda_graph_state was not called")
+        if not fb.forward_mode.is_decode():
+            raise NotImplementedError(f"kv4rl: CUDA graphs capture decode steps only, not {fb.forward_mode.name} "
+                                      "(prefill graphs must be 'breakable': attention runs eagerly)")
+        bs = fb.batch_size
+        real = 0 if in_capture else fb.out_cache_loc.numel()
+        if not real <= bs <= g.max_bs:
+            raise ValueError(f"kv4rl: {real} requests in a graph batch of {bs} (captured up to {g.max_bs})")
+        out_slots = fb.out_cache_loc[:real].long()
+        side_slots, kv4 = self._decode_lists(fb.req_pool_indices[:real], fb.seq_lens[:real], fb.positions[:real],
+                                             out_slots, *self._host_sizes(fb, real))
+        g.out_slots[:real].copy_(out_slots)
+        g.out_slots[real:bs].zero_()  # padding rows store into the padding slot,
+        g.side_slots[:real].copy_(side_slots)
+        g.side_slots[real:bs].fill_(-1)  # and keep no INT8 copy
+        plan = g.workspace.plan(**kv4, batch_size=bs, graph=True)  # padding rows: empty lists
+        lists = dict(kv_indptr=plan.kv_indptr, kv_indices=plan.kv_indices, side_indptr=plan.side_indptr,
+                     side_indices=plan.side_indices)
+        self.forward_metadata = KV4StepMetadata("decode", g.qo_indptr[: bs + 1], g.out_slots[:bs],
+                                                g.side_slots[:bs], lists, plan)
+
+    def init_forward_metadata_in_graph(self, forward_batch):
+        """Nothing to record: the captured store and decode launches read the graph buffers that
+        ``init_forward_metadata_out_graph`` rewrote in place."""
+
+    # ---- per layer ----
 
     def _forward(self, q, k, v, layer, save_kv_cache):
         if not save_kv_cache:
@@ -101,13 +224,17 @@ class KV4RLAttnBackend(AttentionBackend):
             raise NotImplementedError("kv4rl supports self-attention with equal K/V head dims")
         md = self.forward_metadata
         n = q.shape[0]
+        if n != md.num_tokens:  # the store would scatter rows the plan does not cover
+            raise RuntimeError(f"kv4rl: {n} query rows for a step planned over {md.num_tokens} tokens")
         q_ = q.reshape(n, layer.tp_q_head_num, layer.qk_head_dim)
         k_ = k.reshape(n, layer.tp_k_head_num, layer.qk_head_dim)
         v_ = v.reshape(n, layer.tp_v_head_num, layer.v_head_dim)
+        plan = md.decode_plan
+        workspace = self.graph.workspace if plan is not None and plan.graph else self.decode_workspace
         out = kv4_attention_step(self.pool.layer_cache(layer.layer_id), q_, k_, v_, mode=md.mode,
                                  qo_indptr=md.qo_indptr, out_slots=md.out_slots, side_slots=md.side_slots,
                                  kv4=md.kv4, sm_scale=layer.scaling, use_triton=self.use_triton,
-                                 decode_plan=md.decode_plan, decode_workspace=self.decode_workspace)
+                                 decode_plan=plan, decode_workspace=workspace)
         return out.reshape(n, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -3,9 +3,10 @@
 A subclass of ``MHATokenToKVPool`` so every allocator, session and capacity path of SGLang
 treats it as the MHA pool it replaces; only the bytes differ. Per layer a ``KV4LayerCache``
 (INT4 codes + fp16 scale/offset per token-head, plus the INT8 side cache with ``sink +
-recent`` side slots per request row), and one int32 per slot: the logical (RoPE) position
-the token was computed at. Under KV-streams a row is compacted on eviction, so a row index
-no longer says a token's position, and the INT8/INT4 region rule needs it.
+recent`` side slots per row of ``req_to_token``: ``num_rows`` counts SGLang's reserved row 0
+too, so every row index the backend can see has its own), and one int32 per slot: the logical
+(RoPE) position the token was computed at. Under KV-streams a row is compacted on eviction, so
+a row index no longer says a token's position, and the INT8/INT4 region rule needs it.
 """
 
 from __future__ import annotations

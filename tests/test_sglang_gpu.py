@@ -1,0 +1,267 @@
+"""SGLang 0.5.17 with ``--kv4rl`` on a GPU: CUDA graphs on (decode captured whole, prefill "breakable").
+
+Skipped without CUDA or SGLang; ``pytest -k sglang_gpu`` selects these. ``bench/device/sglang_gpu_check.sh`` runs
+them on the H200 (the model comes from ``KVSTREAMS_GPU_MODEL`` when set: the script builds it once).
+
+- ``test_sglang_gpu_graph_steps_match_eager``: the backend alone (``tests/sglang_graph_step.py``), its decode steps
+  captured in CUDA graphs as SGLang's runner captures them and replayed with padded batches, against the eager path.
+- ``test_sglang_gpu_server_...``: a ``launch_server --kv4rl --enable-kv-streams`` server on a small random Qwen3
+  (GQA group 4, head_dim 128: the CUDA decode kernel's shapes), three concurrent multi-turn streams with evictions
+  between turns and a weight update from disk (flush_cache=False) between two rounds; its log must show every decode
+  step on a CUDA graph, and its logprobs must match the built-in engine's kv4rl logprobs on the same streams.
+- ``test_sglang_gpu_graph_steps_ran_the_cuda_kernel`` (last, so a missing NVRTC does not hide the rest): the graph
+  path ran the shipped CUDA decode kernel, not the Triton fallback.
+
+Each test prints what it measured before asserting (the device run keeps the output).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("sglang") is None,
+                                reason="needs a CUDA GPU and sglang")
+
+TESTS = Path(__file__).parent
+ROOT = TESTS.parent
+sys.path.insert(0, str(TESTS))
+import sglang_graph_step as graph_steps  # noqa: E402
+from ports import free_port  # noqa: E402
+
+MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "1024", "--num-heads", "16", "--num-kv-heads", "4",
+               "--head-dim", "128", "--dtype", "bfloat16"]
+MAX_DIFF, MEAN_DIFF = 2e-2, 2e-3  # logprobs, SGLang (CUDA graphs) vs the built-in engine, both kv4rl in bf16
+
+
+def env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                PYTHONUNBUFFERED="1")
+
+
+@pytest.fixture(scope="module")
+def graph_steps_result(tmp_path_factory) -> dict:
+    res = graph_steps.run(tmp_path_factory.mktemp("graph_steps") / "steps.json", "cuda", env())
+    for s in res["steps"]:
+        print({k: s[k] for k in ("rows", "bs", "max_diff", "mean_diff", "ref_abs_mean", "kernels")})
+    return res
+
+
+def test_sglang_gpu_graph_steps_match_eager(graph_steps_result):
+    """Each decode step replayed from a captured CUDA graph (padded to a captured batch size) equals the same hooks
+    launched eagerly bit for bit, writes the same KV bytes as the eager path wherever a real request can read, never
+    touches row 0's INT8 entries, and matches the eager path's outputs up to the split layout (a graph plan sizes
+    each request's splits from its own length; the eager plan from the step's longest: fp32 sums in another order)."""
+    steps = graph_steps_result["steps"]
+    for s in steps:
+        assert s["replay_equals_hooks"], s
+        assert s["caches_equal"] and s["row0_side_untouched"], s
+        assert s["max_diff"] <= 3e-2 and s["mean_diff"] <= 1e-3, s
+    assert {s["bs"] > len(s["rows"]) for s in steps} == {True, False}
+
+
+# ---- the server ----
+
+@dataclass(frozen=True)
+class Turn:
+    """One stream's turn: evict ``spans`` (stream positions), append ``obs``, generate ``new`` tokens greedily."""
+
+    stream: int
+    obs: tuple[int, ...] = ()
+    new: int = 16
+    spans: tuple[tuple[int, int], ...] = ()
+
+
+def tokens(n: int, a: int, b: int) -> tuple[int, ...]:
+    return tuple((a * i + b) % 250 for i in range(n))
+
+
+PROMPTS = [tokens(300, 7, 3), tokens(180, 11, 5), tokens(240, 13, 1)]  # > sink + recent: INT4 regions from the start
+# rounds of concurrent turns (3 streams decoding together: padded to a captured batch of 4, then 2 and 1 as the
+# shorter generations finish); a weight update from disk between round 1 and round 2
+ROUNDS = [
+    [Turn(0, new=24), Turn(1, new=16), Turn(2, new=8)],
+    [Turn(0, tokens(40, 3, 2), spans=((20, 120),)), Turn(1, tokens(25, 5, 9)), Turn(2, tokens(31, 9, 4), new=20)],
+    [Turn(0, tokens(12, 17, 1)), Turn(1, tokens(60, 19, 3), spans=((50, 150), (181, 190))), Turn(2, tokens(9, 2, 7))],
+]
+UPDATE_BEFORE_ROUND = 2
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    if os.environ.get("KVSTREAMS_GPU_MODEL"):
+        return Path(os.environ["KVSTREAMS_GPU_MODEL"])
+    path = tmp_path_factory.mktemp("qwen3_small")
+    subprocess.run([sys.executable, "-m", "kvstreams_sglang.checkpoints", str(path), *MODEL_FLAGS, "--device", "cuda"],
+                   env=env(), check=True, timeout=300)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    """(URL, log path) of a kv4rl + kv-streams server with SGLang's default CUDA graphs, at small capture sizes."""
+    port = free_port()
+    log = tmp_path_factory.mktemp("sglang_gpu") / "server.log"
+    flags = ["--model-path", str(model_path), "--kv4rl", "--enable-kv-streams", "--grammar-backend", "none",
+             "--skip-tokenizer-init", "--mem-fraction-static", "0.5", "--port", str(port), "--skip-server-warmup",
+             "--max-running-requests", "8", "--cuda-graph-bs-decode", "1", "2", "4", "8",
+             "--cuda-graph-bs-prefill", "16", "32", "64", "128", "256", "512", "1024",  # few buckets: a quick capture
+             "--context-length", "4096", "--decode-log-interval", "1"]
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvstreams_sglang.launch_server", *flags], env=env(), stdout=f,
+                                stderr=subprocess.STDOUT, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc, log)
+        yield url, log
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        out = os.environ.get("OUT")
+        if out:  # the device script keeps the server log
+            (Path(out) / "sglang_gpu_server.log").write_text(log.read_text()[-2_000_000:])
+
+
+def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 420) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"SGLang server exited ({proc.returncode}):\n{log.read_text()[-8000:]}")
+        try:
+            with urllib.request.urlopen(url + "/get_model_info", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"SGLang server not ready after {timeout_s}s:\n{log.read_text()[-8000:]}")
+
+
+async def sglang_rounds(url: str, model_path: Path) -> dict:
+    from kvstreams_sglang.engine import SamplingParams
+    from kvstreams_sglang.sglang_ext.client import SGLangClient
+
+    client = SGLangClient(url, kv_dtype="kv4rl")
+    sids = [await client.open(list(p)) for p in PROMPTS]
+    out = {"turns": [], "pools": []}
+
+    async def turn(t: Turn):
+        sid = sids[t.stream]
+        if t.spans:
+            await client.evict(sid, t.spans)
+        if t.obs:
+            await client.append(sid, list(t.obs))
+        return await client.generate(sid, SamplingParams(max_new_tokens=t.new, temperature=0.0))
+
+    for i, round_ in enumerate(ROUNDS):
+        if i == UPDATE_BEFORE_ROUND:
+            before = await client.pool_info()
+            await client.update_weights_from_disk(str(model_path), version=1)  # same weights, flush_cache=False
+            out["pools"] = [before, await client.pool_info()]
+        gens = await asyncio.gather(*(turn(t) for t in round_))
+        out["turns"].append([(g.token_ids, g.logprobs) for g in gens])
+    out["stats"] = dict(client.stats)
+    for s in sids:
+        await client.close(s)
+    await client.aclose()
+    return out
+
+
+def builtin_turn(eng, sid: int, sglang_tokens: list[int]):
+    """The built-in engine's turn over the tokens SGLang produced. Greedy until the built-in engine's
+    ``SamplingParams(forced_token_ids=...)`` lands; then it is teacher-forced on SGLang's tokens (one line):
+    ``return eng.generate_many([(sid, SamplingParams(len(sglang_tokens), temperature=0.0,
+    forced_token_ids=tuple(sglang_tokens)))])[0]``."""
+    return eng.generate(sid, max_new_tokens=len(sglang_tokens), temperature=0.0)
+
+
+def builtin_rounds(model_path: Path, sglang_turns: list) -> list:
+    from kvstreams_sglang.engine import Engine
+
+    eng = Engine(str(model_path), kv_dtype="kv4rl", device="cuda", dtype=torch.bfloat16, max_tokens=8192,
+                 max_streams=8)
+    sids = [eng.open_stream(list(p)) for p in PROMPTS]
+    out = []
+    for round_, sgl in zip(ROUNDS, sglang_turns, strict=True):
+        out.append([])
+        for t, (toks, _) in zip(round_, sgl, strict=True):
+            if t.spans:
+                eng.evict(sids[t.stream], t.spans)
+            if t.obs:
+                eng.append(sids[t.stream], list(t.obs))
+            g = builtin_turn(eng, sids[t.stream], toks)
+            out[-1].append((g.token_ids, g.logprobs))
+    return out
+
+
+def compared_logprobs(sglang_turns: list, builtin: list) -> tuple[list[float], list[float], list[int]]:
+    """Logprobs at the positions where both engines' contexts were still the same: greedy, up to and including a
+    stream's first differing token (two near-tied argmaxes: each engine's logprob of its own pick is the top logprob,
+    so they still compare), nothing of that stream after; teacher-forced, everything. Also how many positions each
+    stream had compared."""
+    ours, theirs, counts = [], [], [0] * len(PROMPTS)
+    diverged = set()
+    for round_, sgl, blt in zip(ROUNDS, sglang_turns, builtin, strict=True):
+        for t, (s_tok, s_lp), (b_tok, b_lp) in zip(round_, sgl, blt, strict=True):
+            if t.stream in diverged:
+                continue
+            same = next((i for i, (a, b) in enumerate(zip(s_tok, b_tok, strict=True)) if a != b), None)
+            n = len(s_tok) if same is None else same + 1
+            ours += s_lp[:n]
+            theirs += b_lp[:n]
+            counts[t.stream] += n
+            if same is not None:
+                diverged.add(t.stream)
+    return ours, theirs, counts
+
+
+def graph_lines(log: str, kind: str) -> list[tuple[int, bool]]:
+    """(running requests, ran on a CUDA graph) of every '<kind> batch' log line."""
+    pat = re.compile(rf"{kind} batch.*?#running-req: (\d+).*?cuda graph: (True|False)")
+    return [(int(m.group(1)), m.group(2) == "True") for m in pat.finditer(log)]
+
+
+def test_sglang_gpu_server_kv4rl_graphs_match_builtin_engine(server, model_path):
+    url, log_path = server
+    res = asyncio.run(sglang_rounds(url, model_path))
+    log = log_path.read_text()
+    decode, prefill = graph_lines(log, "Decode"), graph_lines(log, "Prefill")
+    builtin = builtin_rounds(model_path, res["turns"])
+    ours, theirs, counts = compared_logprobs(res["turns"], builtin)
+    diff = (torch.tensor(ours, dtype=torch.float64) - torch.tensor(theirs, dtype=torch.float64)).abs()
+    total = sum(len(t) for r in res["turns"] for t, _ in r)
+    before, after = res["pools"]
+    print(f"decode steps logged: {len(decode)}, on a CUDA graph: {sum(g for _, g in decode)} (running requests: "
+          f"{sorted({r for r, _ in decode})}); prefill batches on a graph: {sum(g for _, g in prefill)}/{len(prefill)}")
+    print(f"client stats {res['stats']}; pool before/after the weight update {before} / {after}")
+    print(f"compared {len(ours)}/{total} logprobs (per stream {counts}); |diff| max {diff.max():.2e} mean "
+          f"{diff.mean():.2e}")
+
+    assert decode and all(g for _, g in decode), "a decode step ran without a CUDA graph"
+    assert max(r for r, _ in decode) == 3  # a batch padded to a captured size (4)
+    assert any(g for _, g in prefill), "no prefill ran on the breakable prefill graph"
+    # the streams kept every computed token's KV through evictions and the weight update: nothing re-prefilled
+    assert res["stats"]["cached_tokens_lost"] == 0 and res["stats"]["turns_across_updates"] == len(PROMPTS)
+    assert before["available_tokens"] == after["available_tokens"] and before["kv_bytes"] == after["kv_bytes"]
+    assert all(c > 0 for c in counts)
+    assert float(diff.max()) <= MAX_DIFF and float(diff.mean()) <= MEAN_DIFF
+
+
+def test_sglang_gpu_graph_steps_ran_the_cuda_kernel(graph_steps_result):
+    """Last: the captured decode was the shipped CUDA kernel (where it is unavailable the Triton kernel runs, and the
+    tests above still hold)."""
+    assert all(s["kernels"] == ["cuda", "cuda"] for s in graph_steps_result["steps"])
