@@ -182,17 +182,18 @@ async def sglang_rounds(url: str, model_path: Path) -> dict:
 
 
 def builtin_turn(eng, sid: int, sglang_tokens: list[int]):
-    """The built-in engine's turn over the tokens SGLang produced. Greedy until the built-in engine's
-    ``SamplingParams(forced_token_ids=...)`` lands; then it is teacher-forced on SGLang's tokens (one line):
-    ``return eng.generate_many([(sid, SamplingParams(len(sglang_tokens), temperature=0.0,
-    forced_token_ids=tuple(sglang_tokens)))])[0]``."""
-    return eng.generate(sid, max_new_tokens=len(sglang_tokens), temperature=0.0)
+    """The built-in engine's turn, teacher-forced on the tokens SGLang produced: the same stream on both engines
+    (each logprob is the forced token's under the model, through the engine's decode path)."""
+    from kvstreams_sglang.engine import SamplingParams
+
+    return eng.generate_many([(sid, SamplingParams(len(sglang_tokens), temperature=0.0,
+                                                   forced_token_ids=tuple(sglang_tokens)))])[0]
 
 
 def builtin_rounds(model_path: Path, sglang_turns: list) -> list:
     from kvstreams_sglang.engine import Engine
 
-    eng = Engine(str(model_path), kv_dtype="kv4rl", device="cuda", dtype=torch.bfloat16, max_tokens=8192,
+    eng = Engine(str(model_path), kv_dtype="kv4rl", device="cuda", dtype=torch.bfloat16, kv_slots=8192,
                  max_streams=8)
     sids = [eng.open_stream(list(p)) for p in PROMPTS]
     out = []

@@ -24,9 +24,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 python3 -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not installed (ratios against the v7 table's FlashInfer times instead)"
 timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --durations=5 \
-  tests/test_kernels_decode.py tests/test_kernels_bf16_decode.py 2>&1 | tee "$OUT/pytest_decode.log" | tail -25
+  tests/test_kernels_decode.py tests/test_kernels_bf16_decode.py 2>&1 | tee -a "$OUT/decode.log" | tail -25
 timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --durations=5 \
-  tests/test_cuda_sources.py tests/test_kernels_store.py -k cuda 2>&1 | tee "$OUT/pytest_compile_store.log" | tail -15
+  tests/test_cuda_sources.py tests/test_kernels_store.py -k cuda 2>&1 | tee -a "$OUT/decode.log" | tail -15
 timeout ${BENCH_TIMEOUT:-150} python3 -m bench.decode_attention --shapes '128,8192;64,2048;64,4096' --graph \
-  --max-context ${MAX_CONTEXT:-32768} --out "$OUT/decode_check_h200.json" 2>&1 | tee "$OUT/bench.log"
+  --max-context ${MAX_CONTEXT:-32768} --out "$OUT/decode_check_h200.json" 2>&1 | tee -a "$OUT/decode.log"
 true

@@ -1,6 +1,4 @@
-mkdir -p /tmp/site && tar -xJf .device_sgl/site.tar.xz -C /tmp/site && \
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .device_sgl/tf/*.whl && \
-export PYTHONPATH=/tmp/site:$PWD
+source bench/device/bundle.sh || exit 1
 # One-command H200 check of SGLang 0.5.17 with --kv4rl under CUDA graphs (issue 21), from the repository root:
 #   bash bench/device/sglang_gpu_check.sh        (carry .device_sgl: ../shared/device/sglang_bundle.sh builds it;
 #                                                 optionally .devcache/jit_cache.tar.xz from an earlier run)
@@ -17,13 +15,11 @@ export PYTHONPATH=/tmp/site:$PWD
 # 3. tars ~/.cache/flashinfer and Triton's cache into $OUT/jit_cache.tar.xz (split into < 16 MiB parts if larger:
 #    `cat jit_cache.tar.xz.part* > jit_cache.tar.xz`) for later runs to carry as .devcache/jit_cache.tar.xz.
 # Results in $OUT (or bench/results/sglang_gpu_check): pytest.log, sglang_gpu_server.log, env.txt, the JIT cache.
-[ -d /tmp/site/sglang ] || { echo "sglang bundle missing: carry .device_sgl (../shared/device/sglang_bundle.sh)"; exit 1; }
 set -o pipefail
 OUT=${OUT:-bench/results/sglang_gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OUT
 TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
-if [ -f .devcache/jit_cache.tar.xz ]; then tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && echo "JIT cache restored"; fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers, sglang; print('torch', torch.__version__, 'triton', triton.__version__,
@@ -36,7 +32,7 @@ python3 -m kvstreams_sglang.checkpoints "$MODEL" --num-layers 4 --hidden-size 10
 export KVSTREAMS_GPU_MODEL=$MODEL
 
 timeout ${PYTEST_TIMEOUT:-510} python3 -m pytest -q -p no:cacheprovider -rA -s --durations=10 \
-  tests/test_sglang_gpu.py tests/test_kernels_decode.py -x 2>&1 | tee "$OUT/pytest.log" | tail -60
+  ${SGL_TESTS:-tests/test_sglang_gpu.py tests/test_kernels_decode.py} -x 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
 
 dirs=()

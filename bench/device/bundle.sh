@@ -1,0 +1,12 @@
+# Source from the repository root on the GPU device: unpacks the carried SGLang 0.5.17 bundle (.device_sgl, built by
+# ../shared/device/sglang_bundle.sh) into /tmp/site once, and puts it and the repository on PYTHONPATH. A JIT cache
+# from an earlier run (.devcache/jit_cache.tar.xz: FlashInfer's and Triton's) is restored into $HOME if carried.
+if [ ! -d /tmp/site/sglang ]; then
+  [ -f .device_sgl/site.tar.xz ] || { echo "sglang bundle missing: carry .device_sgl (../shared/device/sglang_bundle.sh)"; return 1; }
+  mkdir -p /tmp/site && tar -xJf .device_sgl/site.tar.xz -C /tmp/site && \
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .device_sgl/tf/*.whl || return 1
+fi
+if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then
+  tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch /tmp/.jit_restored && echo "JIT cache restored"
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
