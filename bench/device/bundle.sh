@@ -9,4 +9,5 @@ fi
 if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then
   tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch /tmp/.jit_restored && echo "JIT cache restored"
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# stand-ins for what the bundle leaves out and SGLang imports at start-up (bench/device/stubs/*: why, in each)
+export PYTHONPATH=/tmp/site:$PWD/bench/device/stubs:$PWD PYTHONUNBUFFERED=1

@@ -7,7 +7,7 @@
 source bench/device/bundle.sh || exit 1
 OUT=${OUT:-bench/results/check}
 export OUT
-SGL_TESTS=tests/test_sglang_gpu.py PYTEST_TIMEOUT=${SGL_TIMEOUT:-240} bash bench/device/sglang_gpu_check.sh
+KVS_TESTS=tests/test_sglang_gpu.py PYTEST_TIMEOUT=${SGL_TIMEOUT:-240} bash bench/device/sglang_gpu_check.sh
 rc=$?
 PYTEST_TIMEOUT=${KERNEL_TIMEOUT:-150} BENCH_TIMEOUT=${BENCH_TIMEOUT:-90} bash bench/device/decode_check.sh
 exit $rc
