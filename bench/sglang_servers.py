@@ -54,6 +54,15 @@ class DecodeLine:
         return 1000.0 * self.running / self.throughput if self.throughput else float("nan")
 
 
+_PREFILL = re.compile(r"Prefill batch[^,]*,\s+#new-seq:\s*(?P<seqs>\d+),\s+#new-token:\s*(?P<new>\d+),\s+"
+                      r"#cached-token:\s*(?P<cached>\d+),.*?input throughput \(token/s\):\s*(?P<thr>[0-9.]+)")
+
+
+def prefill_throughputs(text: str) -> list[tuple[int, int, float]]:
+    """(new tokens, cached tokens, input tokens/s since the previous prefill line) of every "Prefill batch" line."""
+    return [(int(m["new"]), int(m["cached"]), float(m["thr"])) for m in _PREFILL.finditer(text)]
+
+
 def decode_lines(text: str) -> list[DecodeLine]:
     return [DecodeLine(int(m["running"]), int(m["tokens"]), float(m["usage"]), m["graph_on"] == "True",
                        float(m["thr"])) for m in _DECODE.finditer(text)]

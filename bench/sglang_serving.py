@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from .sglang_servers import OURS, STOCK, Server, ServerConfig, decode_lines, post_many
+from .sglang_servers import OURS, STOCK, Server, ServerConfig, decode_lines, post_many, prefill_throughputs
 
 CONFIGS = {
     "stock_bf16": ServerConfig("stock_bf16", STOCK, ("--attention-backend", "flashinfer")),
@@ -75,10 +75,13 @@ def decode_shape(server: Server, batch: int, context: int, new_tokens: int, seed
     t0 = time.perf_counter()
     outs = asyncio.run(post_many(server.url, "/generate", payloads))
     wall = time.perf_counter() - t0
-    lines = [x for x in decode_lines(server.log_text()[before:]) if x.running == batch]
+    text = server.log_text()[before:]
+    prefills = [thr for new, _, thr in prefill_throughputs(text) if new >= 1024]  # full chunks, not the tail
+    lines = [x for x in decode_lines(text) if x.running == batch]
     steady = lines[1:] or lines  # the first interval may straddle the last prefill
     row = dict(batch=batch, context=context, new_tokens=new_tokens, wall_s=wall,
-               output_tokens=sum(len(o["output_ids"]) for o in outs), log_intervals=len(steady))
+               output_tokens=sum(len(o["output_ids"]) for o in outs), log_intervals=len(steady),
+               prefill_tok_s=statistics.median(prefills) if prefills else None)
     if steady:
         ms = statistics.median(x.ms_per_step for x in steady)
         row.update(ms_per_step=ms, decode_tok_s=1000.0 * batch / ms, cuda_graph=all(x.cuda_graph for x in steady),
@@ -164,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
                 r.update(fits=True, byte_floor_ms=floor_ms,
                          over_floor=r["ms_per_step"] / floor_ms if "ms_per_step" in r else None)
                 row["shapes"][key] = r
+                result["servers"][name] = row
+                out.write_text(json.dumps(result, indent=1))  # what is measured survives a timeout
                 print(f"{name} {key}: {r.get('ms_per_step', float('nan')):.2f} ms/step "
                       f"({r.get('decode_tok_s', 0):.0f} tok/s, graph {r.get('cuda_graph')}, floor {floor_ms:.2f} ms)",
                       flush=True)
