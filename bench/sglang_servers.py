@@ -98,11 +98,8 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.config.name}: server exited ({self.proc.returncode}) during start; "
                                    f"last log lines:\n{self.tail()}")
-            try:
-                if self._get("/health_generate", timeout=5) is not None:
-                    return self
-            except OSError:
-                pass
+            if self.healthy():
+                return self
             time.sleep(2)
         self.stop()
         raise TimeoutError(f"{self.config.name}: not healthy after {timeout_s:.0f} s; last log lines:\n{self.tail()}")
@@ -128,6 +125,16 @@ class Server:
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log_text().splitlines()[-n:])
+
+    def healthy(self) -> bool:
+        """``/health_generate`` answers 200 (an empty body) once the server has generated a token."""
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.url + "/health_generate", timeout=10) as r:
+                return r.status == 200
+        except OSError:  # refused while starting, or 503
+            return False
 
     def _get(self, route: str, timeout: float = 30):
         import urllib.request

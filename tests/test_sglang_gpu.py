@@ -116,7 +116,10 @@ def server(model_path, tmp_path_factory):
              "--skip-tokenizer-init", "--mem-fraction-static", "0.5", "--port", str(port), "--skip-server-warmup",
              "--max-running-requests", "8", "--cuda-graph-bs-decode", "1", "2", "4", "8",
              "--cuda-graph-bs-prefill", "16", "32", "64", "128", "256", "512", "1024",  # few buckets: a quick capture
-             "--context-length", "4096", "--decode-log-interval", "1"]
+             "--context-length", "4096", "--decode-log-interval", "1",
+             # logprobs from an fp32 LM head, as the built-in engine and the trainer compute them (SGLang's default
+             # bf16 head alone puts ~1e-2 on every logprob: H200, 2026-12-02, max 4.3e-2 / mean 9.5e-3)
+             "--enable-fp32-lm-head"]
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "kvstreams_sglang.launch_server", *flags], env=env(), stdout=f,
                                 stderr=subprocess.STDOUT, cwd=ROOT)
@@ -266,3 +269,31 @@ def test_sglang_gpu_graph_steps_ran_the_cuda_kernel(graph_steps_result):
     """Last: the captured decode was the shipped CUDA kernel (where it is unavailable the Triton kernel runs, and the
     tests above still hold)."""
     assert all(s["kernels"] == ["cuda", "cuda"] for s in graph_steps_result["steps"])
+
+
+def test_sglang_gpu_harness_trains_three_steps_against_the_server(server, model_path, tmp_path):
+    """The harness (configs/demo.toml: the toy corridor, Sliding Window KV-streams) trains 3 steps on the GPU against
+    the kv4rl server: weights go over from disk with flush_cache=False after every step, compaction evicts in place,
+    nothing is re-prefilled and no cached token is lost."""
+    import json
+
+    from harness.config import load_config
+    from harness.run import run
+
+    url, _ = server
+    cfg = load_config(str(ROOT / "configs/demo.toml"), [
+        "--run.output_dir", str(tmp_path / "run"), "--run.steps", "3", "--model.path", str(model_path),
+        "--inference.engine", "sglang", "--inference.url", url, "--inference.kv_dtype", "kv4rl",
+        "--inference.device", "cuda", "--orchestrator.group_size", "2", "--orchestrator.groups_per_step", "2",
+        "--orchestrator.oversubscription", "2", "--orchestrator.episode.max_turns", "6",
+        "--orchestrator.episode.max_new_tokens", "4", "--trainer.micro_batch_records", "4"])
+    rows = asyncio.run(run(cfg))
+    out = os.environ.get("OUT")
+    if out:  # the device script keeps the metrics
+        (Path(out) / "harness_sglang_gpu.metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    last = rows[-1]
+    print("harness on the GPU server:", {k: v for k, v in last.items() if k.startswith("sglang_")}, "re-prefilled",
+          sum(r["tokens_reprefilled"] for r in rows), "compactions", sum(r["compactions"] for r in rows))
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert sum(r["compactions"] for r in rows) > 0 and sum(r["tokens_reprefilled"] for r in rows) == 0
+    assert last["sglang_turns"] > 0 and last["sglang_cached_tokens_lost"] == 0

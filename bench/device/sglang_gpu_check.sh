@@ -32,7 +32,7 @@ python3 -m kvstreams_sglang.checkpoints "$MODEL" --num-layers 4 --hidden-size 10
 export KVSTREAMS_GPU_MODEL=$MODEL
 
 timeout ${PYTEST_TIMEOUT:-510} python3 -m pytest -q -p no:cacheprovider -rA -s --durations=10 \
-  ${KVS_TESTS:-tests/test_sglang_gpu.py tests/test_kernels_decode.py} -x 2>&1 | tee "$OUT/pytest.log" | tail -60
+  ${KVS_TESTS:-tests/test_sglang_gpu.py tests/test_kernels_decode.py} ${PYTEST_X--x} 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
 
 dirs=()
