@@ -145,7 +145,8 @@ def _install_kv4rl() -> None:
     def _profile_available_bytes(self, pre_model_load_memory):
         available = original_profile(self, pre_model_load_memory)
         sink, recent = kv4_settings(self)
-        side = KV4TokenToKVPool.side_bytes(self.server_args.max_running_requests,
+        # one side row per req_to_token row: SGLang's rows are 1..max_running_requests (row 0 pads CUDA graphs)
+        side = KV4TokenToKVPool.side_bytes(self.server_args.max_running_requests + 1,
                                            *shape(self, self.layer_info.num_effective_layers), sink=sink,
                                            recent=recent)
         return max(0, available - side)
@@ -159,7 +160,8 @@ def _install_kv4rl() -> None:
             if post_capture_active:
                 raise RuntimeError("--kv4rl: post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING) is not "
                                    "supported")
-            return KV4TokenToKVPool(*args, sink=sink, recent=recent, num_rows=req_to_token_pool.size, **pool_kwargs)
+            return KV4TokenToKVPool(*args, sink=sink, recent=recent, num_rows=req_to_token_pool.req_to_token.shape[0],
+                                    **pool_kwargs)
 
         mha = configurator_module.MHATokenToKVPool
         configurator_module.MHATokenToKVPool = make_pool
