@@ -166,7 +166,8 @@ def test_pool_back_to_its_start_after_close(run, request):
     main = r["pool_after_main"]  # the main stream shares nothing (shared_prefix_len=0): all of it is freed
     assert main["available_tokens"] == main["total_tokens"] and main["stream_tokens"] == 0
     closed = r["pool_closed"]
-    assert closed["open_streams"] == closed["open_sessions"] == closed["stream_tokens"] == closed["protected_tokens"] == 0
+    assert closed["open_streams"] == closed["open_sessions"] == 0
+    assert closed["stream_tokens"] == closed["protected_tokens"] == 0
     assert closed["available_tokens"] + closed["evictable_tokens"] == closed["total_tokens"]
     assert r["pool_end"]["available_tokens"] == r["pool_start"]["available_tokens"] == r["pool_start"]["total_tokens"]
     assert r["pool_end"]["open_sessions"] == 0
@@ -358,6 +359,44 @@ def test_a_stream_keeps_its_kv_across_a_weight_update_from_disk(kv4rl_server, ti
     assert versions == [0] * sum(len(g.token_ids) for g in old) + [1] * len(new.token_ids)
 
 
+def test_a_stream_opened_after_a_weight_update_does_not_reuse_old_prompt_kv(kv4rl_server, tiny_model_path, tmp_path):
+    """The shared prefix is namespaced by the policy version at open (``extra_key``): two streams opened in one
+    version share one copy of their first message's KV; a stream opened after a weight update, on the same first
+    message, gets its own (the cached one was computed by the old weights)."""
+    import asyncio
+
+    from harness.config import InferenceConfig
+    from harness.inference import SGLangInference
+    from kvstreams_sglang.engine import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    inference = SGLangInference(InferenceConfig(engine="sglang", url=kv4rl_server, kv_dtype="kv4rl"),
+                                str(tiny_model_path), tmp_path)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    p = len(script.SIBLING_PROMPT)
+
+    async def episode():
+        await inference.start()
+        c = inference.client
+        version = c.policy_version
+        before = [await c.open(script.SIBLING_PROMPT) for _ in range(2)]
+        for sid in before:
+            await c.generate(sid, params)
+        await inference.update_weights(model.state_dict(), version=version + 1)
+        after = await c.open(script.SIBLING_PROMPT)
+        await c.generate(after, params)
+        infos = [await c._post("/kvstreams/session_info", dict(session_id=c.session_id(s))) for s in [*before, after]]
+        for sid in [*before, after]:
+            await c.close(sid)
+        await inference.close()
+        return infos
+
+    old, sibling, new = (info["slots"][:p] for info in asyncio.run(episode()))
+    assert old == sibling  # same version: one copy of the prompt
+    assert not set(new) & set(old)  # new version: its own
+    assert_serves_and_pool_whole(kv4rl_server)
+
+
 def post(url: str, route: str, payload: dict) -> tuple[int, dict | str | None]:
     import urllib.error
     import urllib.request
@@ -496,6 +535,46 @@ def test_harness_trains_textworld_on_an_sglang_server(kv4rl_server, tiny_model_p
     # the test above makes one in a fixed order) find all their kept KV still on the server.
     assert last["sglang_cached_tokens_lost"] == 0
     assert last["sglang_restores"] == last["sglang_tokens_reprefilled"] == 0  # the pool held every stream
+
+
+def test_an_aborted_turn_leaves_the_stream_as_it_was(kv4rl_server):
+    """A turn aborted while it decodes (``/abort_request``) does not become part of the stream: the server's view
+    is what it was before the turn (what the turn inserted into the tree is pruned), and the next turn finds every
+    kept token cached."""
+    import threading
+    import time
+    import uuid
+
+    from kvstreams_sglang.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def episode(c):
+        sid = await c.open(script.PROMPT)
+        await c.generate(sid, params)
+        session = c.session_id(sid)
+        before = await c._post("/kvstreams/session_info", dict(session_id=session))
+        rid, answer = uuid.uuid4().hex, []
+        turn = threading.Thread(target=lambda: answer.append(post(kv4rl_server, "/generate", dict(
+            input_ids=script.OBS[3], rid=rid, session_params={"id": session},
+            sampling_params=dict(max_new_tokens=8000, ignore_eos=True)))))
+        turn.start()
+        time.sleep(2.0)  # decoding by now (its prefill is a few tokens)
+        post(kv4rl_server, "/abort_request", dict(rid=rid))
+        turn.join(timeout=120)
+        after = await c._post("/kvstreams/session_info", dict(session_id=session))
+        await c.append(sid, script.OBS[0])
+        _, meta = await c._run(c._generate(sid, params))
+        await c.close(sid)
+        return answer, before, after, meta
+
+    (answer, before, after, meta), stats = run_client(kv4rl_server, episode)
+    [(status, body)] = answer
+    reason = body["meta_info"]["finish_reason"] if isinstance(body, dict) and "meta_info" in body else body
+    assert "abort" in json.dumps(reason).lower(), (status, body)
+    assert after == before
+    assert meta["cached_tokens"] == before["live_tokens"] and stats["cached_tokens_lost"] == stats["restores"] == 0
+    assert_serves_and_pool_whole(kv4rl_server)
 
 
 def test_random_stream_operations_leave_the_pool_whole(kv4rl_server):

@@ -8,10 +8,12 @@
   side row under the row its turn runs in); ``Scheduler.handle_generate_request`` refuses, with a
   400 and the reason, token ids outside the vocabulary (any request) and a stream turn that would
   not fit (``sessions.turn_refusal``), before SGLang touches the session, and pins a stream's turns
-  to its radix namespace; ``PrefillAdder.add_one_req`` holds a stream's first turn back one round
-  while a sibling with the same shared prefix is in the batch, so the sibling's prefix is computed
-  once; the scheduler gets ``kvstreams_*`` RPC methods (open, evict, session info, pool info) whose
-  arguments and results travel as JSON (``RPC_ARGS``: SGLang's RPC parameters are flat scalars).
+  to its radix namespace; ``Scheduler.abort_request`` frees a stream whose turn it drops from the
+  waiting queue (SGLang would leave the session busy for good); ``PrefillAdder.add_one_req`` holds
+  a stream's first turn back one round while a sibling with the same shared prefix is in the
+  batch, so the prefix is computed once; the scheduler gets ``kvstreams_*`` RPC methods (open,
+  evict, session info, pool info) whose arguments and results travel as JSON (``RPC_ARGS``:
+  SGLang's RPC parameters are flat scalars).
 - kv4rl: the ``kv4rl`` attention backend is registered; ``KVCacheConfigurator`` builds
   ``KV4TokenToKVPool`` where it would build ``MHATokenToKVPool``; capacity profiling uses the
   KV4 bytes per token (``DefaultPoolConfigurator``'s cell size) and sets the INT8 side cache
@@ -35,6 +37,7 @@ def install(server_args) -> None:
         _install_stream_cache()
         _install_positions()
         _install_turn_guard()
+        _install_abort_hook()
         _install_sibling_deferral()
         _install_rpc()
         _installed.add("streams")
@@ -111,6 +114,26 @@ def _install_turn_guard() -> None:
         return original(self, recv_req)
 
     Scheduler.handle_generate_request = handle_generate_request
+
+
+def _install_abort_hook() -> None:
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from .stream_cache import KVStreamRadixCache
+
+    original = Scheduler.abort_request
+
+    def abort_request(self, recv_req):
+        cache = self.tree_cache
+        queued = [r for r in self.waiting_queue if isinstance(cache, KVStreamRadixCache) and cache.stream_of(r)]
+        original(self, recv_req)
+        waiting = set(map(id, self.waiting_queue))
+        for req in queued:
+            if id(req) not in waiting:  # dropped before it ran: SGLang never tells the session, which would stay busy
+                req.session.abort_req()
+                req.session = None
+
+    Scheduler.abort_request = abort_request
 
 
 def _install_sibling_deferral() -> None:

@@ -476,8 +476,9 @@ def make_stream_cache(ctx) -> KVStreamRadixCache:
     """The ``--radix-cache-backend kvstreams`` factory: refuses the models and caches streams cannot live in."""
     from sglang.srt.configs.model_config import AttentionArch
 
-    reasons = [(ctx.is_hybrid_swa, "sliding-window (hybrid SWA) models"), (ctx.is_hybrid_ssm, "hybrid SSM/Mamba models"),
-               (ctx.is_dsa, "DSA models"), (ctx.model_config.attention_arch == AttentionArch.MLA, "MLA models"),
+    reasons = [(ctx.is_hybrid_swa, "sliding-window (hybrid SWA) models"),
+               (ctx.is_hybrid_ssm, "hybrid SSM/Mamba models"), (ctx.is_dsa, "DSA models"),
+               (ctx.model_config.attention_arch == AttentionArch.MLA, "MLA models"),
                (ctx.enable_hierarchical_cache, "the hierarchical cache"),
                (ctx.params.disable, "a disabled radix cache (multimodal models on the Transformers backend)")]
     for refused, what in reasons:
