@@ -12,7 +12,8 @@ message), which its GRPO siblings share through the tree, namespaced by the poli
 then answered with ``STREAM_EVICTED`` and the client restores the stream exactly, from its ledger
 (``restore_plan``): on a fresh stream it prefills the computed tokens segment by segment and evicts
 each eviction event's spans at its ``at_index`` boundary, so every kept token's KV is recomputed
-under the mask it was computed under (``k <= q < death[k]``); then it sends the turn again.
+under the mask it was computed under (``k <= q < death[k]``), by the current weights; then it sends
+the turn again.
 
 - ``SGLangClient``: the harness's async ``EngineClient`` over the HTTP server
   (``python -m kvstreams_sglang.launch_server ... --enable-kv-streams``).
