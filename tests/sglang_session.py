@@ -192,7 +192,8 @@ def main(model: str, out: str, kv4rl: bool) -> None:
 
     eng = KVStreamsEngine(model_path=model, device="cpu", dtype="float32", kv4rl=kv4rl, enable_kv_streams=True,
                           attention_backend=None if kv4rl else "torch_native", sampling_backend="pytorch",
-                          grammar_backend="none", max_total_tokens=POOL_TOKENS, skip_server_warmup=True, log_level="error")
+                          grammar_backend="none", max_total_tokens=POOL_TOKENS, skip_server_warmup=True,
+                          log_level="error")
     res: dict = {"pool_start": eng.pool_info(), "seconds": {}}  # seconds: per scenario, for the suite's budget
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     t = time.monotonic()
