@@ -2,7 +2,7 @@
 
 Both give the orchestrator the same ``EngineClient`` and take the trainer's weights without
 touching any stream's KV: the built-in engine swaps tensors in place; SGLang loads them from
-disk with ``flush_cache=False`` (its sessions keep their KV rows). The weights travel as one
+disk with ``flush_cache=False`` (its streams keep their KV in the radix tree). The weights travel as one
 safetensors file written atomically under the run directory, the last two versions kept.
 """
 
@@ -85,8 +85,10 @@ class SGLangInference:
         await self.client.update_weights_from_disk(str(self._write(state_dict, version)), version)
 
     def metrics(self) -> dict:
-        """Cumulative: turns served, turns of episodes carried across weight updates, and kept
-        tokens the server had lost (re-prefilled) when a turn arrived."""
+        """Cumulative (``SGLangClient.stats``): turns served, turns of episodes carried across weight
+        updates, kept tokens the server had lost when a turn arrived, prompt tokens of first turns
+        served from the tree (GRPO siblings), streams restored after the server evicted them under
+        memory pressure and the tokens those restores computed again."""
         return {f"sglang_{k}": v for k, v in self.client.stats.items()}
 
     async def close(self) -> None:

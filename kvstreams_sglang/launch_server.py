@@ -3,8 +3,8 @@
     python -m kvstreams_sglang.launch_server --model-path PATH --kv4rl --enable-kv-streams [sglang flags]
 
 All of SGLang's server flags work; ``--kv4rl [--kv4rl-sink 16 --kv4rl-recent 128]`` stores
-the KV cache as KV4-RL and ``--enable-kv-streams`` adds in-place session eviction
-(``POST /kvstreams/evict``, see ``sglang_ext.http_routes``). Same process layout as
+the KV cache as KV4-RL and ``--enable-kv-streams`` makes streaming sessions KV streams in the
+radix tree (``POST /kvstreams/open``, ``/kvstreams/evict``, see ``sglang_ext.http_routes``). Same process layout as
 ``sglang serve``: HTTP + tokenizer here, the scheduler (with our patches) and the
 detokenizer in subprocesses.
 

@@ -1,7 +1,9 @@
 """The real SGLang engine (``sglang==0.5.17``) with kv-streams and kv4rl, on CPU.
 
 Each engine runs in a subprocess (``tests/sglang_session.py``: SGLang spawns its scheduler and
-a scheduler crash SIGQUITs its parent) with the CPU import shims of ``tests/sglang_cpu_shims``.
+a scheduler crash SIGQUITs its parent) with the CPU import shims of ``tests/sglang_cpu_shims``;
+the HTTP tests share one ``--kv4rl --enable-kv-streams`` server. KV streams live in the radix tree
+(``sglang_ext.stream_cache``): a shared prefix, then a private branch.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def test_no_reprefill_after_eviction(run, request):
 
 
 @pytest.mark.parametrize("run", ["bf16_run", "kv4_run"])
-def test_eviction_frees_exactly_those_slots_and_compacts_the_row(run, request):
+def test_eviction_frees_exactly_those_slots_and_compacts_the_branch(run, request):
     r = request.getfixturevalue(run)
     before, after = r["before_evict"], r["evict"]
     dead = {p for a, b in script.EVICT for p in range(a, b)}
@@ -159,9 +161,73 @@ def test_weight_update_without_flush_keeps_the_session(run, request):
 
 @pytest.mark.parametrize("run", ["bf16_run", "kv4_run"])
 def test_pool_back_to_its_start_after_close(run, request):
+    """Closing a stream frees its private branch at once; what stays is shared prefixes, as evictable cache; a
+    flush then returns every slot (nothing leaked, nothing locked)."""
     r = request.getfixturevalue(run)
+    main = r["pool_after_main"]  # the main stream shares nothing (shared_prefix_len=0): all of it is freed
+    assert main["available_tokens"] == main["total_tokens"] and main["stream_tokens"] == 0
+    closed = r["pool_closed"]
+    assert closed["open_streams"] == closed["open_sessions"] == 0
+    assert closed["stream_tokens"] == closed["protected_tokens"] == 0
+    assert closed["available_tokens"] + closed["evictable_tokens"] == closed["total_tokens"]
     assert r["pool_end"]["available_tokens"] == r["pool_start"]["available_tokens"] == r["pool_start"]["total_tokens"]
     assert r["pool_end"]["open_sessions"] == 0
+
+
+@pytest.mark.parametrize("run", ["bf16_run", "kv4_run"])
+def test_grpo_siblings_share_their_prompt(run, request):
+    """G siblings submitted together: one computes the shared prompt, the others are held back one prefill round
+    and find it in the tree (prefix hits = (G-1) x prompt); the prompt's slots exist once. kv4rl shares the slots
+    but not the compute: its INT8 side cache is per request row, so each sibling's first turn computes the prompt
+    in its own row (and the duplicate slots are freed)."""
+    r = request.getfixturevalue(run)
+    sib = r["siblings"]
+    p = len(script.SIBLING_PROMPT)
+    prompt_slots = [info["slots"][:p] for info in sib["infos"]]
+    assert all(slots == prompt_slots[0] for slots in prompt_slots)  # one copy of the prompt's KV
+    assert len({tuple(info["slots"][p:]) for info in sib["infos"]}) == script.SIBLINGS  # private branches
+    assert all(t == sib["tokens"][0] for t in sib["tokens"])
+    if run == "kv4_run":
+        assert sib["cached_tokens"] == [0] * script.SIBLINGS and sib["pool"]["prefix_hit_tokens"] == 0
+        return
+    assert sorted(sib["cached_tokens"]) == [0] + [p] * (script.SIBLINGS - 1), sib["cached_tokens"]
+    assert sib["pool"]["prefix_hit_tokens"] == (script.SIBLINGS - 1) * p
+    diff = max(abs(a - b) for lps in sib["logprobs"] for a, b in zip(lps, sib["logprobs"][0], strict=True))
+    assert diff <= 1e-4
+    assert "shared prefix" in sib["evict_shared"] and "EvictionError" in sib["evict_shared"]
+
+
+@pytest.mark.parametrize("run", ["bf16_run", "kv4_run"])
+def test_idle_streams_never_block_a_new_turn(run, request):
+    """Issue 25's S2: with idle streams holding nearly the whole pool, a new stream's long turn is still answered
+    (the cache evicts idle branches, whole), and every idle stream's next turn is answered too (restored)."""
+    r = request.getfixturevalue(run)
+    full = r["pressure_pool_full"]
+    assert full["branches_evicted"] > 0 and full["protected_tokens"] == 0
+    stats = r["pressure_stats"]
+    # the pressure stream's 3 turns, one per filler, one long turn, then one more per filler
+    assert stats["turns"] == 3 + (script.FILLERS + 1) + (script.FILLERS + 1)
+    assert stats["restores"] >= 2 and stats["tokens_reprefilled"] > 0
+    assert r["pool_closed"]["turns_aborted_evicted"] >= stats["restores"]
+
+
+@pytest.mark.parametrize("run", ["bf16_run", "kv4_run"])
+def test_restored_stream_equals_a_never_evicted_one(run, request):
+    """A stream evicted by the cache while idle (after a prefill and an in-place eviction) is restored from its
+    ledger at its next turn: its tokens, logprobs and cached tokens equal those of the same stream run alone.
+    kv4rl: equal within its quantisation (the replay computes in extends what decode steps computed, and kv4rl
+    attends within an extend in full precision)."""
+    r = request.getfixturevalue(run)
+    ref, got = r["pressure_reference"], r["pressure_turns"]
+    assert [t["tokens"] for t in got] == [t["tokens"] for t in ref]
+    assert got[2]["cached_tokens"] == ref[2]["cached_tokens"]  # the restored stream holds every kept token again
+    after = r["pressure_after_restore"]
+    assert after["restores"] == 1 and after["tokens_reprefilled"] > 0
+    diff = max(abs(a - b) for g, f in zip(got, ref, strict=True) for a, b in zip(g["logprobs"], f["logprobs"],
+                                                                              strict=True))
+    print(f"{run}: restored vs never-evicted stream: max |logprob diff| {diff:.2e}")
+    assert diff <= (1e-4 if run == "bf16_run" else 2e-3)
+    assert r["main_stats"]["tokens_reprefilled"] == r["main_stats"]["restores"] == 0  # memory sufficed
 
 
 def test_kv4rl_capacity_sizing(kv4_run, bf16_run, tiny_model_path):
@@ -188,6 +254,10 @@ cases = {
     "backend": dict(kv4rl=True, attention_backend="triton"),
     "dtype": dict(kv4rl=True, kv_cache_dtype="fp8_e5m2"),
     "sink": dict(kv4rl=True, kv4rl_sink=-1),
+    "radix": dict(enable_kv_streams=True, disable_radix_cache=True),
+    "cache": dict(enable_kv_streams=True, radix_cache_backend="flexkv"),
+    "hicache": dict(enable_kv_streams=True, enable_hierarchical_cache=True),
+    "dp": dict(enable_kv_streams=True, enable_dp_attention=True),
 }
 cuda_cases = {  # graph modes are checked on the resolved config (device cuda: it resolves on a CPU box too)
     "prefill_graph": dict(kv4rl=True, cuda_graph_backend_prefill="full"),
@@ -207,7 +277,7 @@ b = KVStreamsServerArgs(model_path=sys.argv[1], device="cuda", kv4rl=True)
 print("graphs", b.cuda_graph_config.decode.backend, "radix off", b.disable_radix_cache)
 a = KVStreamsServerArgs(model_path=sys.argv[1], device="cpu", kv4rl=True, enable_kv_streams=True)
 print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_streaming_session,
-      a.disable_overlap_schedule, a.max_running_requests)
+      a.disable_overlap_schedule, a.max_running_requests, a.radix_cache_backend, a.schedule_policy)
 """
     proc = subprocess.run([sys.executable, "-c", code, str(tiny_model_path)], env=sglang_env(), capture_output=True,
                           text=True, timeout=300)
@@ -215,9 +285,11 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ACCEPTED" not in out, out
     assert "--page-size must be 1" in out and "drop --attention-backend" in out and "--kv-cache-dtype" in out
+    assert "does not support --disable-radix-cache" in out and "--radix-cache-backend flexkv" in out
+    assert "--enable-hierarchical-cache" in out and "--enable-dp-attention" in out
+    assert "ok kv4rl 1 False True True 256 kvstreams lpm" in out
     assert "prefill CUDA graph backend must be 'breakable'" in out and "'breakable' decode graph" in out
     assert "--enable-torch-compile" in out and "--enable-mixed-chunk" in out and "--prefill-attention-backend" in out
-    assert "ok kv4rl 1 True True True 256" in out
     assert "graphs full radix off True" in out  # --kv4rl keeps decode graphs on; its side cache is per row
 
 
@@ -296,7 +368,7 @@ def test_a_stream_keeps_its_kv_across_a_weight_update_from_disk(kv4rl_server, ti
     async def episode():
         await inference.start()
         c = inference.client
-        sid = await c.open(script.PROMPT)
+        sid = await c.open(script.PROMPT, shared_prefix_len=0)  # EVICT covers part of the prompt
         old = [await c.generate(sid, params)]
         await c.append(sid, script.OBS[0])
         old.append(await c.generate(sid, params))
@@ -312,9 +384,158 @@ def test_a_stream_keeps_its_kv_across_a_weight_update_from_disk(kv4rl_server, ti
 
     old, new, evicted, record, stats = asyncio.run(episode())
     assert evicted == sum(b - a for a, b in script.EVICT)
-    assert stats == dict(turns=3, turns_across_updates=1, cached_tokens_lost=0), stats
+    assert stats == dict(turns=3, turns_across_updates=1, cached_tokens_lost=0, prefix_hit_tokens=0, restores=0,
+                         tokens_reprefilled=0), stats
     versions = [v for v, s in zip(record.policy_versions, record.sources, strict=True) if s == "model"]
     assert versions == [0] * sum(len(g.token_ids) for g in old) + [1] * len(new.token_ids)
+
+
+def test_a_stream_opened_after_a_weight_update_does_not_reuse_old_prompt_kv(kv4rl_server, tiny_model_path, tmp_path):
+    """The shared prefix is namespaced by the policy version at open (``extra_key``): two streams opened in one
+    version share one copy of their first message's KV; a stream opened after a weight update, on the same first
+    message, gets its own (the cached one was computed by the old weights)."""
+    import asyncio
+
+    from harness.config import InferenceConfig
+    from harness.inference import SGLangInference
+    from kvstreams_sglang.engine import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    inference = SGLangInference(InferenceConfig(engine="sglang", url=kv4rl_server, kv_dtype="kv4rl"),
+                                str(tiny_model_path), tmp_path)
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+    p = len(script.SIBLING_PROMPT)
+
+    async def episode():
+        await inference.start()
+        c = inference.client
+        version = c.policy_version
+        before = [await c.open(script.SIBLING_PROMPT) for _ in range(2)]
+        for sid in before:
+            await c.generate(sid, params)
+        await inference.update_weights(model.state_dict(), version=version + 1)
+        after = await c.open(script.SIBLING_PROMPT)
+        await c.generate(after, params)
+        infos = [await c._post("/kvstreams/session_info", dict(session_id=c.session_id(s))) for s in [*before, after]]
+        for sid in [*before, after]:
+            await c.close(sid)
+        await inference.close()
+        return infos
+
+    old, sibling, new = (info["slots"][:p] for info in asyncio.run(episode()))
+    assert old == sibling  # same version: one copy of the prompt
+    assert not set(new) & set(old)  # new version: its own
+    assert_serves_and_pool_whole(kv4rl_server)
+
+
+def post(url: str, route: str, payload: dict) -> tuple[int, dict | str | None]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + route, data=json.dumps(payload).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            status, text = resp.status, resp.read().decode()
+    except urllib.error.HTTPError as e:
+        status, text = e.code, e.read().decode()
+    try:
+        return status, json.loads(text) if text else None
+    except json.JSONDecodeError:
+        return status, text
+
+
+def assert_serves_and_pool_whole(url: str) -> dict:
+    """The server still answers a plain request, and (every stream closed) the pool is whole: free slots plus
+    evictable cache = all of it, nothing locked, nothing held by streams."""
+    status, out = post(url, "/generate", dict(input_ids=[1, 2, 3], sampling_params=dict(max_new_tokens=2)))
+    assert status == 200 and len(out["output_ids"]) == 2, out
+    import time
+
+    deadline = time.monotonic() + 10  # the RPC socket is not ordered with the closes before it
+    while True:
+        _, info = post(url, "/kvstreams/pool_info", {})
+        if info["open_streams"] == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert info["open_streams"] == info["stream_tokens"] == info["protected_tokens"] == 0, info
+    assert info["available_tokens"] + info["evictable_tokens"] == info["total_tokens"], info
+    return info
+
+
+def run_client(url: str, episode, kv_dtype: str = "kv4rl"):
+    """``episode(client)`` on a fresh ``SGLangClient``; returns its result and the client's stats."""
+    import asyncio
+
+    from kvstreams_sglang.sglang_ext.client import SGLangClient
+
+    async def main():
+        client = SGLangClient(url, kv_dtype=kv_dtype)
+        try:
+            return await episode(client), dict(client.stats)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+def test_s1_a_turn_too_long_for_the_pool_is_refused_and_the_stream_kept(kv4rl_server):
+    """Issue 25's S1: a turn whose KV cannot fit (here 20000 tokens against a 16384-token pool) on a stream holding
+    KV answers 400 with the reason, and the stream is as it was: its next turn finds every kept token cached (on the
+    old design the session silently shrank to one token and the idle check then killed the server)."""
+    from kvstreams_sglang.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def episode(c):
+        sid = await c.open(script.PROMPT)
+        await c.generate(sid, params)
+        await c.append(sid, script.OBS[0])
+        await c.generate(sid, params)
+        before = await c._post("/kvstreams/session_info", dict(session_id=c.session_id(sid)))
+        status, body = post(kv4rl_server, "/generate", dict(
+            input_ids=[65] * 20000, sampling_params=dict(max_new_tokens=6), session_params={"id": c.session_id(sid)}))
+        after = await c._post("/kvstreams/session_info", dict(session_id=c.session_id(sid)))
+        await c.append(sid, script.OBS[1])
+        _, meta = await c._run(c._generate(sid, params))
+        await c.close(sid)
+        return status, body, before, after, meta
+
+    (status, body, before, after, meta), stats = run_client(kv4rl_server, episode)
+    assert status == 400 and "kvstreams: this turn would hold" in json.dumps(body), body
+    assert after == before
+    assert meta["cached_tokens"] == before["live_tokens"] and stats["cached_tokens_lost"] == 0
+    assert meta["prompt_tokens"] == before["live_tokens"] + 1 + len(script.OBS[1])  # nothing lost, nothing added
+    assert_serves_and_pool_whole(kv4rl_server)
+
+
+def test_s3_token_ids_outside_the_vocabulary_are_refused(kv4rl_server, tiny_model_path):
+    """Issue 25's S3: negative or out-of-vocabulary input ids (which killed the scheduler) answer 400 with the
+    reason, on a stream turn (the stream unchanged) and on a plain request; the server keeps serving."""
+    from kvstreams_sglang.engine import SamplingParams
+
+    vocab = json.loads((tiny_model_path / "config.json").read_text())["vocab_size"]
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def episode(c):
+        sid = await c.open(script.PROMPT)
+        await c.generate(sid, params)
+        before = await c._post("/kvstreams/session_info", dict(session_id=c.session_id(sid)))
+        answers = [post(kv4rl_server, "/generate", dict(input_ids=ids, sampling_params=dict(max_new_tokens=2),
+                                                        session_params={"id": c.session_id(sid)}))
+                   for ids in ([5, -1, 6], [vocab], [vocab + 1000])]
+        answers.append(post(kv4rl_server, "/generate", dict(input_ids=[1, vocab + 5], sampling_params={})))
+        after = await c._post("/kvstreams/session_info", dict(session_id=c.session_id(sid)))
+        await c.append(sid, script.OBS[0])
+        _, meta = await c._run(c._generate(sid, params))
+        await c.close(sid)
+        return answers, before, after, meta
+
+    (answers, before, after, meta), stats = run_client(kv4rl_server, episode)
+    for status, body in answers:
+        assert status == 400 and f"must be token ids in [0, {vocab})" in json.dumps(body), (status, body)
+    assert after == before and meta["cached_tokens"] == before["live_tokens"] and stats["cached_tokens_lost"] == 0
+    assert_serves_and_pool_whole(kv4rl_server)
 
 
 def test_harness_trains_textworld_on_an_sglang_server(kv4rl_server, tiny_model_path, tmp_path):
@@ -344,3 +565,103 @@ def test_harness_trains_textworld_on_an_sglang_server(kv4rl_server, tiny_model_p
     # Episodes that run across a weight update (how many depends on the trainer's speed against the server's:
     # the test above makes one in a fixed order) find all their kept KV still on the server.
     assert last["sglang_cached_tokens_lost"] == 0
+    assert last["sglang_restores"] == last["sglang_tokens_reprefilled"] == 0  # the pool held every stream
+
+
+def test_an_aborted_turn_leaves_the_stream_as_it_was(kv4rl_server):
+    """A turn aborted while it decodes (``/abort_request``) does not become part of the stream: the server's view
+    is what it was before the turn (what the turn inserted into the tree is pruned), and the next turn finds every
+    kept token cached."""
+    import threading
+    import time
+    import uuid
+
+    from kvstreams_sglang.engine import SamplingParams
+
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+
+    async def episode(c):
+        sid = await c.open(script.PROMPT)
+        await c.generate(sid, params)
+        session = c.session_id(sid)
+        before = await c._post("/kvstreams/session_info", dict(session_id=session))
+        rid, answer = uuid.uuid4().hex, []
+        turn = threading.Thread(target=lambda: answer.append(post(kv4rl_server, "/generate", dict(
+            input_ids=script.OBS[3], rid=rid, session_params={"id": session},
+            sampling_params=dict(max_new_tokens=8000, ignore_eos=True)))))
+        turn.start()
+        time.sleep(2.0)  # decoding by now (its prefill is a few tokens)
+        post(kv4rl_server, "/abort_request", dict(rid=rid))
+        turn.join(timeout=120)
+        after = await c._post("/kvstreams/session_info", dict(session_id=session))
+        await c.append(sid, script.OBS[0])
+        _, meta = await c._run(c._generate(sid, params))
+        await c.close(sid)
+        return answer, before, after, meta
+
+    (answer, before, after, meta), stats = run_client(kv4rl_server, episode)
+    [(status, body)] = answer
+    reason = body["meta_info"]["finish_reason"] if isinstance(body, dict) and "meta_info" in body else body
+    assert "abort" in json.dumps(reason).lower(), (status, body)
+    assert after == before
+    assert meta["cached_tokens"] == before["live_tokens"] and stats["cached_tokens_lost"] == stats["restores"] == 0
+    assert_serves_and_pool_whole(kv4rl_server)
+
+
+def test_random_stream_operations_leave_the_pool_whole(kv4rl_server):
+    """Random opens (private prompts, shared prompts, siblings), turns, prefills, evictions and closes against the
+    server, every step checked against the client's ledger: every turn finds every kept token cached, the server's
+    view of each stream equals the ledger's, and once all streams are closed the pool is whole; a flush then frees
+    every slot."""
+    import random
+
+    from kvstreams_sglang.engine import SamplingParams
+
+    rng = random.Random(0)
+    prompts = [[rng.randrange(250) for _ in range(n)] for n in (24, 33, 40)]
+
+    async def episode(c):
+        open_ = []
+        for _ in range(60):
+            op = rng.choice(["open", "turn", "turn", "prefill", "evict", "evict", "close"] if open_ else ["open"])
+            if op == "open":
+                prompt = rng.choice(prompts)
+                shared = rng.choice([None, None, 0, len(prompt) // 2])
+                open_.append(await c.open(prompt, shared_prefix_len=shared))
+                continue
+            sid = rng.choice(open_)
+            ledger = c.ledger(sid)
+            if op == "turn":
+                if ledger.num_computed:
+                    await c.append(sid, [rng.randrange(250) for _ in range(rng.randrange(1, 8))])
+                await c.generate(sid, SamplingParams(max_new_tokens=rng.randrange(1, 5), temperature=1.0,
+                                                     seed=rng.randrange(1000)))
+            elif op == "prefill" and ledger.num_computed:
+                await c.append(sid, [rng.randrange(250) for _ in range(rng.randrange(1, 6))])
+                await c.prefill(sid)
+            elif op == "evict":
+                p = c._get(sid).shared_prefix_len
+                live = [q for q in ledger.live if q >= p]
+                if not live:
+                    continue
+                i = rng.randrange(len(live))
+                j = i + 1
+                while j < len(live) and j - i < 6 and live[j] == live[j - 1] + 1:
+                    j += 1
+                await c.evict(sid, [(live[i], live[j - 1] + 1)])
+            elif op == "close":
+                open_.remove(sid)
+                await c.close(sid)
+                continue
+            info = await c._post("/kvstreams/session_info", dict(session_id=c.session_id(sid)))
+            sent = c._get(sid).sent  # the server's view: what it was sent and sampled
+            assert info["positions"] == ledger.live and info["stream_length"] == sent, (info, ledger.live, sent)
+        for sid in open_:
+            await c.close(sid)
+
+    _, stats = run_client(kv4rl_server, episode)
+    assert stats["turns"] > 10 and stats["cached_tokens_lost"] == stats["restores"] == 0, stats
+    assert_serves_and_pool_whole(kv4rl_server)
+    status, _ = post(kv4rl_server, "/flush_cache", {})
+    _, info = post(kv4rl_server, "/kvstreams/pool_info", {})
+    assert status == 200 and info["available_tokens"] == info["total_tokens"], info

@@ -1,28 +1,42 @@
-"""Engine clients over SGLang streaming sessions: one KV stream = one session.
+"""Engine clients over SGLang KV streams (``--enable-kv-streams``): one KV stream = one streaming session.
 
 The client keeps each stream's ``StreamLedger`` (every token with its source, sampler logprob
 and policy version, the computed count, the evictions: what the trainer needs) and sends the
 server only what it does not have yet: each turn's request carries the tokens appended since
-the last one; the server keeps the session's KV, so nothing is re-prefilled. Spans are
-validated by the ledger before they travel (the server checks its own state again).
+the last one; the server keeps the stream's KV in its radix tree, so nothing is re-prefilled.
+Spans are validated by the ledger before they travel (the server checks its own state again).
+
+A stream is opened with its shared prefix: the tokens it has at ``open`` (the episode's first
+message), which its GRPO siblings share through the tree, namespaced by the policy version
+(``extra_key``). Under memory pressure the server may evict an idle stream's KV; its next turn is
+then answered with ``STREAM_EVICTED`` and the client restores the stream exactly, from its ledger
+(``restore_plan``): on a fresh stream it prefills the computed tokens segment by segment and evicts
+each eviction event's spans at its ``at_index`` boundary, so every kept token's KV is recomputed
+under the mask it was computed under (``k <= q < death[k]``), by the current weights; then it sends
+the turn again.
 
 - ``SGLangClient``: the harness's async ``EngineClient`` over the HTTP server
   (``python -m kvstreams_sglang.launch_server ... --enable-kv-streams``).
 - ``EngineStreams``: the same verbs, synchronous, over an in-process ``KVStreamsEngine``.
+
+Both run the same protocol (``_Streams``): its steps are generators that yield ``Call``s, which
+each client carries out with its transport.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Generator
 from dataclasses import dataclass
 
 from trainer_masks import StreamLedger
 
 from ..engine.engine import Generation
 from ..engine.sampling import SamplingParams
+from . import STREAM_EVICTED
 
-SESSION_CAPACITY = 1 << 30  # SGLang's per-session string capacity; streams are bounded by the KV pool instead
+MAX_RESTORES = 8  # restores of one turn before giving up (each one evicted again before it finished)
 
 
 def sglang_sampling_params(params: SamplingParams) -> dict:
@@ -36,15 +50,74 @@ def sglang_sampling_params(params: SamplingParams) -> dict:
     return out
 
 
+def policy_namespace(version: int) -> str:
+    """The radix namespace (``extra_key``) of prompts computed under policy ``version``."""
+    return f"policy-{version}"
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Restore step: compute ledger tokens ``[start, end)`` (a prefill-only request)."""
+
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Evict:
+    """Restore step: evict ``spans``."""
+
+    spans: tuple[tuple[int, int], ...]
+
+
+def restore_plan(ledger: StreamLedger) -> list[Prefill | Evict]:
+    """How a fresh stream gets exactly the KV of ``ledger``'s computed tokens: each eviction event is applied
+    when the tokens before its ``at_index`` are computed and none after, as it happened."""
+    steps: list[Prefill | Evict] = []
+    start = 0
+    for event in ledger.evictions:
+        if event.at_index > start:
+            steps.append(Prefill(start, event.at_index))
+            start = event.at_index
+        steps.append(Evict(tuple(event.spans)))
+    if ledger.num_computed > start:
+        steps.append(Prefill(start, ledger.num_computed))
+    return steps
+
+
+@dataclass(frozen=True)
+class Call:
+    """One request to the server: ``open`` (``shared_prefix_len``, ``extra_key``) -> session id,
+    ``generate`` (``payload``) -> SGLang's response, ``evict`` (``session_id``, ``spans``), ``close``
+    (``session_id``)."""
+
+    verb: str
+    args: dict
+
+
+def _evicted(out: dict) -> bool:
+    reason = out["meta_info"].get("finish_reason") or {}
+    return reason.get("type") == "abort" and str(reason.get("message", "")).startswith(STREAM_EVICTED)
+
+
+def _check(out: dict) -> dict:
+    reason = out["meta_info"].get("finish_reason") or {}
+    if reason.get("type") == "abort":
+        raise RuntimeError(f"SGLang aborted the turn: {reason}")
+    return out
+
+
 @dataclass
 class _Session:
-    """A stream on the server: its ledger, the session id, and how many of its tokens the server
-    holds (sent, or sampled there)."""
+    """A stream on the server: its ledger, the session id, its shared prefix, and how many of its tokens
+    the server holds (sent, or sampled there)."""
 
     session_id: str
     ledger: StreamLedger
+    shared_prefix_len: int
     opened_version: int = 0
     sent: int = 0
+    turns: int = 0
 
     def request_ids(self) -> list[int]:
         ids = self.ledger.token_ids[self.sent:]
@@ -74,32 +147,108 @@ class _Session:
 
 
 class _Streams:
-    """Bookkeeping shared by both clients: stream ids -> sessions, and what the server reused.
+    """The protocol both clients run: stream ids -> sessions, turns with restore, and what the server reused.
 
-    ``stats``: ``turns``; ``turns_across_updates`` (turns of streams opened under an older
-    policy); ``cached_tokens_lost``: kept tokens the server did not find cached when a turn
-    arrived (it would have re-prefilled them; 0 when sessions survive evictions and updates)."""
+    ``stats``: ``turns``; ``turns_across_updates`` (turns of streams opened under an older policy);
+    ``cached_tokens_lost``: kept tokens the server did not have when a turn arrived (0 when memory
+    suffices); ``prefix_hit_tokens``: tokens of streams' first turns served from the tree (a sibling's
+    prompt); ``restores``: streams restored after the server evicted them; ``tokens_reprefilled``:
+    tokens the restores computed again (0 when memory suffices)."""
 
     def __init__(self):
         self._sessions: dict[int, _Session] = {}
         self._sids = itertools.count()
         self.policy_version = 0
-        self.stats = dict(turns=0, turns_across_updates=0, cached_tokens_lost=0)
+        self.stats = dict(turns=0, turns_across_updates=0, cached_tokens_lost=0, prefix_hit_tokens=0, restores=0,
+                          tokens_reprefilled=0)
 
-    def _count_turn(self, s: _Session, meta: dict) -> None:
-        self.stats["turns"] += 1
-        self.stats["turns_across_updates"] += s.opened_version < self.policy_version
-        self.stats["cached_tokens_lost"] += max(0, s.ledger.num_live - int(meta.get("cached_tokens", 0)))
-
-    def _new(self, session_id: str, stream: list[int] | StreamLedger) -> int:
+    # ---- protocol steps (generators of Calls) ----
+    def _open(self, stream: list[int] | StreamLedger, shared_prefix_len: int | None) -> Generator[Call, object, int]:
         ledger = stream if isinstance(stream, StreamLedger) else StreamLedger(stream)
         if not ledger.token_ids or ledger.num_computed:
             raise ValueError("open needs at least one token, none computed")
+        shared = ledger.end if shared_prefix_len is None else shared_prefix_len
+        if not 0 <= shared <= ledger.end:
+            raise ValueError(f"shared_prefix_len {shared} is outside the stream's {ledger.end} tokens")
+        session_id = yield Call("open", dict(shared_prefix_len=shared, extra_key=policy_namespace(self.policy_version)))
         sid = next(self._sids)
         ledger.name = f"stream {sid}"
-        self._sessions[sid] = _Session(session_id, ledger, opened_version=self.policy_version)
+        self._sessions[sid] = _Session(session_id, ledger, shared, opened_version=self.policy_version)
         return sid
 
+    def _turn(self, s: _Session, sampling: dict, *, logprobs: bool) -> Generator[Call, object, dict]:
+        """Send the pending tokens; on ``STREAM_EVICTED`` restore the stream and send them again."""
+        for _ in range(MAX_RESTORES + 1):
+            out = yield Call("generate", dict(input_ids=s.request_ids(), sampling_params=sampling,
+                                              return_logprob=logprobs, session_params={"id": s.session_id}))
+            if not _evicted(out):
+                return _check(out)
+            yield from self._restore(s)
+        raise RuntimeError(f"{s.ledger.name}: evicted {MAX_RESTORES} times in a row; the KV pool is too small for "
+                           "one stream at a time")
+
+    def _restore(self, s: _Session) -> Generator[Call, object, None]:
+        """Rebuild ``s`` on a fresh stream from its ledger (``restore_plan``): afterwards the server holds
+        exactly the ledger's computed tokens, under the positions and masks they were computed with."""
+        ledger = s.ledger
+        self.stats["restores"] += 1
+        for attempt in range(MAX_RESTORES):
+            yield Call("close", dict(session_id=s.session_id))
+            s.session_id = yield Call("open", dict(shared_prefix_len=s.shared_prefix_len,
+                                                   extra_key=policy_namespace(self.policy_version)))
+            s.sent = 0
+            for step in restore_plan(ledger):
+                if isinstance(step, Evict):
+                    yield Call("evict", dict(session_id=s.session_id, spans=[list(x) for x in step.spans]))
+                    continue
+                out = yield Call("generate", dict(input_ids=ledger.token_ids[step.start: step.end],
+                                                  sampling_params=dict(max_new_tokens=0),
+                                                  session_params={"id": s.session_id}))
+                if _evicted(out):
+                    break
+                meta = _check(out)["meta_info"]
+                if step.start == 0 and attempt == 0:  # the live tokens the server did not have
+                    self.stats["cached_tokens_lost"] += max(0, ledger.num_live - int(meta.get("cached_tokens", 0)))
+                self.stats["tokens_reprefilled"] += int(meta["prompt_tokens"]) - int(meta.get("cached_tokens", 0))
+                s.sent = step.end
+            else:
+                return
+        raise RuntimeError(f"{ledger.name}: evicted {MAX_RESTORES} times during its restore")
+
+    def _generate(self, sid: int, params: SamplingParams) -> Generator[Call, object, tuple[Generation, dict]]:
+        s = self._get(sid)
+        out = yield from self._turn(s, sglang_sampling_params(params), logprobs=True)
+        meta = out["meta_info"]
+        cached = int(meta.get("cached_tokens", 0))
+        self.stats["turns"] += 1
+        self.stats["turns_across_updates"] += s.opened_version < self.policy_version
+        self.stats["cached_tokens_lost"] += max(0, s.ledger.num_live - cached)
+        if s.turns == 0:
+            self.stats["prefix_hit_tokens"] += cached
+        s.turns += 1
+        return s.record(out, params, self.policy_version), meta
+
+    def _prefill(self, sid: int) -> Generator[Call, object, None]:
+        s = self._get(sid)
+        if not s.ledger.num_pending:
+            return
+        out = yield from self._turn(s, dict(max_new_tokens=0), logprobs=False)
+        if s.turns == 0:
+            self.stats["prefix_hit_tokens"] += int(out["meta_info"].get("cached_tokens", 0))
+        s.turns += 1
+        s.record_prefill()
+
+    def _evict(self, sid: int, spans) -> Generator[Call, object, int]:
+        s = self._get(sid)
+        eviction = s.ledger.check_evict(spans)
+        yield Call("evict", dict(session_id=s.session_id, spans=[list(x) for x in eviction.spans]))
+        s.ledger.apply(eviction)
+        return len(eviction.dropped)
+
+    def _close(self, sid: int) -> Generator[Call, object, None]:
+        yield Call("close", dict(session_id=self._sessions.pop(sid).session_id))
+
+    # ---- reading ----
     def _get(self, sid: int) -> _Session:
         try:
             return self._sessions[sid]
@@ -108,6 +257,10 @@ class _Streams:
 
     def ledger(self, sid: int) -> StreamLedger:
         return self._get(sid).ledger
+
+    def session_id(self, sid: int) -> str:
+        """The stream's current SGLang session (a restore opens a new one)."""
+        return self._get(sid).session_id
 
     def _record(self, sid: int, kv_dtype: str, **meta):
         return self._get(sid).ledger.to_record(kv_dtype=kv_dtype, engine="sglang", **meta)
@@ -121,33 +274,47 @@ class EngineStreams(_Streams):
         self.engine = engine
         self.kv_dtype = "kv4rl" if engine.server_args.kv4rl else "bf16"
 
-    def open_stream(self, stream: list[int] | StreamLedger) -> int:
-        session_id = self.engine.open_session(capacity_of_str_len=SESSION_CAPACITY, streaming=True)
-        return self._new(session_id, stream)
+    def _run(self, steps: Generator):
+        try:
+            call = next(steps)
+            while True:
+                call = steps.send(self._call(call))
+        except StopIteration as done:
+            return done.value
+
+    def _call(self, call: Call):
+        a = call.args
+        if call.verb == "open":
+            return self.engine.open_stream(**a)
+        if call.verb == "generate":
+            return self.engine.generate(**a)
+        if call.verb == "evict":
+            return self.engine.evict(**a)
+        return self.engine.close_session(**a)
+
+    def open_stream(self, stream: list[int] | StreamLedger, *, shared_prefix_len: int | None = None) -> int:
+        """A new stream on ``stream``'s tokens; its first ``shared_prefix_len`` (default: all of them) are shared
+        with other streams through the radix tree and cannot be evicted."""
+        return self._run(self._open(stream, shared_prefix_len))
 
     def append(self, sid: int, token_ids: list[int], *, source: str = "env") -> None:
         self._get(sid).ledger.append(token_ids, source)
 
     def generate(self, sid: int, params: SamplingParams) -> tuple[Generation, dict]:
         """One turn; also returns SGLang's ``meta_info`` (``cached_tokens``, ``prompt_tokens``)."""
-        s = self._get(sid)
-        out = self.engine.generate(input_ids=s.request_ids(), sampling_params=sglang_sampling_params(params),
-                                   return_logprob=True, session_params={"id": s.session_id})
-        self._count_turn(s, out["meta_info"])
-        return s.record(out, params, self.policy_version), out["meta_info"]
+        return self._run(self._generate(sid, params))
+
+    def prefill(self, sid: int) -> None:
+        self._run(self._prefill(sid))
 
     def evict(self, sid: int, spans) -> int:
-        s = self._get(sid)
-        eviction = s.ledger.check_evict(spans)
-        self.engine.evict(s.session_id, eviction.spans)
-        s.ledger.apply(eviction)
-        return len(eviction.dropped)
+        return self._run(self._evict(sid, spans))
 
     def stream_record(self, sid: int, **meta):
         return self._record(sid, self.kv_dtype, **meta)
 
     def close(self, sid: int) -> None:
-        self.engine.close_session(self._sessions.pop(sid).session_id)
+        self._run(self._close(sid))
 
 
 class SGLangClient(_Streams):
@@ -175,55 +342,57 @@ class SGLangClient(_Streams):
                 raise RuntimeError(f"SGLang {route} failed ({resp.status}): {body}")
             return body
 
+    async def _run(self, steps: Generator):
+        try:
+            call = next(steps)
+            while True:
+                call = steps.send(await self._call(call))
+        except StopIteration as done:
+            return done.value
+
+    async def _call(self, call: Call):
+        a = call.args
+        if call.verb == "open":
+            return (await self._post("/kvstreams/open", a))["session_id"]
+        if call.verb == "generate":
+            return await self._post("/generate", a)
+        if call.verb == "evict":
+            return await self._post("/kvstreams/evict", a)
+        return await self._post("/close_session", a)
+
     async def aclose(self) -> None:
         if self._http is not None:
             await self._http.close()
             self._http = None
 
-    async def open(self, stream):
-        session_id = await self._post("/open_session", dict(capacity_of_str_len=SESSION_CAPACITY, streaming=True))
-        if not session_id:
-            raise RuntimeError("SGLang refused to open a session (is --enable-kv-streams on?)")
-        return self._new(session_id, stream)
+    async def open(self, stream, *, shared_prefix_len: int | None = None):
+        """A new stream on ``stream``'s tokens; its first ``shared_prefix_len`` (default: all of them, the
+        episode's first message) are shared with other streams and cannot be evicted."""
+        return await self._run(self._open(stream, shared_prefix_len))
 
     async def append(self, sid, token_ids, source="env"):
         self._get(sid).ledger.append(token_ids, source)
 
     async def generate(self, sid, params):
-        s = self._get(sid)
-        out = await self._post("/generate", dict(input_ids=s.request_ids(),
-                                                 sampling_params=sglang_sampling_params(params),
-                                                 return_logprob=True, session_params={"id": s.session_id}))
-        if out["meta_info"]["finish_reason"] and out["meta_info"]["finish_reason"].get("type") == "abort":
-            raise RuntimeError(f"SGLang aborted the turn: {out['meta_info']['finish_reason']}")
-        self._count_turn(s, out["meta_info"])
-        return s.record(out, params, self.policy_version)
+        gen, _meta = await self._run(self._generate(sid, params))
+        return gen
 
     async def evict(self, sid, spans):
-        s = self._get(sid)
-        eviction = s.ledger.check_evict(spans)
-        await self._post("/kvstreams/evict", dict(session_id=s.session_id, spans=[list(x) for x in eviction.spans]))
-        s.ledger.apply(eviction)
-        return len(eviction.dropped)
+        return await self._run(self._evict(sid, spans))
 
     async def prefill(self, sid):
-        s = self._get(sid)
-        if not s.ledger.num_pending:
-            return
-        await self._post("/generate", dict(input_ids=s.request_ids(), sampling_params=dict(max_new_tokens=0),
-                                           session_params={"id": s.session_id}))
-        s.record_prefill()
+        await self._run(self._prefill(sid))
 
     async def reprefill_streams(self, sids=None):
-        raise NotImplementedError("reprefill_on_update needs the built-in engine; SGLang keeps the sessions' KV")
+        raise NotImplementedError("reprefill_on_update needs the built-in engine; SGLang keeps the streams' KV")
 
     async def close(self, sid, **meta):
         record = self._record(sid, self.kv_dtype, **meta)
-        await self._post("/close_session", dict(session_id=self._sessions.pop(sid).session_id))
+        await self._run(self._close(sid))
         return record
 
     async def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        """Load new weights without flushing: every session keeps its KV."""
+        """Load new weights without flushing: every stream keeps its KV."""
         out = await self._post("/update_weights_from_disk", dict(model_path=model_path, flush_cache=False,
                                                                   weight_version=str(version)))
         if not out.get("success", False):

@@ -1,4 +1,4 @@
-"""``sglang.Engine`` with the kv-streams flags, session eviction and cache-keeping weight updates.
+"""``sglang.Engine`` with the kv-streams flags, KV streams (open, evict, inspect) and cache-keeping weight updates.
 
 Offline (in-process tokenizer manager, spawned scheduler): the same process layout as the
 HTTP server, for tests and for harnesses that embed the engine. Create it under
@@ -16,6 +16,8 @@ from sglang.srt.managers.io_struct import RpcReqInput, UpdateWeightFromDiskReqIn
 from .patches import RPC_ARGS
 from .scheduler import run_scheduler_process
 from .server_args import KVStreamsServerArgs
+
+SESSION_CAPACITY = 1 << 30  # SGLang's per-session string capacity; streams are bounded by the KV pool instead
 
 
 class KVStreamsRPCError(RuntimeError):
@@ -42,16 +44,31 @@ class KVStreamsEngine(Engine):
         sock_send(self.send_to_rpc, rpc_request(method, **parameters))
         return rpc_result(sock_recv(self.send_to_rpc, flags=zmq.BLOCKY))
 
+    def open_stream(self, shared_prefix_len: int | None = None, extra_key: str | None = None) -> str:
+        """A new KV stream (a streaming session); returns its session id. ``shared_prefix_len``: its first
+        tokens that other streams may share (the episode's first message; None = its whole first turn);
+        ``extra_key``: the radix namespace of that prefix (the policy version: prompts computed under other
+        weights are not shared)."""
+        session_id = self.open_session(capacity_of_str_len=SESSION_CAPACITY, streaming=True)
+        try:
+            self._rpc("kvstreams_open", session_id=session_id, shared_prefix_len=shared_prefix_len,
+                      extra_key=extra_key)
+        except KVStreamsRPCError:
+            self.close_session(session_id)
+            raise
+        return session_id
+
     def evict(self, session_id: str, spans) -> dict:
-        """Evict ``spans`` (``[start, end)`` stream positions) of a streaming session in place.
-        Returns the session's state after (``live_tokens``, ``evicted_tokens``, ``evicted``)."""
+        """Evict ``spans`` (``[start, end)`` stream positions) of a stream in place.
+        Returns the stream's state after (``stream_cache.KVStreamRadixCache.info`` + ``evicted``)."""
         return self._rpc("kvstreams_evict", session_id=session_id, spans=[list(s) for s in spans])
 
     def session_info(self, session_id: str) -> dict:
         return self._rpc("kvstreams_session_info", session_id=session_id)
 
     def pool_info(self) -> dict:
-        """Free and total token slots of the KV pool, the pool class, open sessions."""
+        """Free and total token slots of the KV pool, the radix tree's evictable and locked tokens, what open
+        streams hold, the stream counters, the pool class (``kvstreams_pool_info`` in ``patches``)."""
         return self._rpc("kvstreams_pool_info")
 
     def update_weights_keep_cache(self, model_path: str, *, weight_version: str | None = None) -> dict:

@@ -2,10 +2,18 @@
 
 ``install(server_args)`` is idempotent and touches only what the flags need:
 
-- kv-streams: ``ForwardBatch.init_new`` adds each request's session position offset
-  (``sessions.position_offset``) to ``positions``; the scheduler gets ``kvstreams_*``
-  RPC methods (evict, session info, pool info) whose arguments and results travel as JSON
-  (``RPC_ARGS``: SGLang's RPC parameters are flat scalars).
+- kv-streams: the ``kvstreams`` radix cache backend (``stream_cache.KVStreamRadixCache``) is
+  registered; ``ForwardBatch.init_new`` adds each request's position offset
+  (``stream_cache.OFFSET_ATTR``) to ``positions`` (and, under kv4rl, puts each stream's saved INT8
+  side row under the row its turn runs in); ``Scheduler.handle_generate_request`` refuses, with a
+  400 and the reason, token ids outside the vocabulary (any request) and a stream turn that would
+  not fit (``sessions.turn_refusal``), before SGLang touches the session, and pins a stream's turns
+  to its radix namespace; ``Scheduler.abort_request`` frees a stream whose turn it drops from the
+  waiting queue (SGLang would leave the session busy for good); ``PrefillAdder.add_one_req`` holds
+  a stream's first turn back one round while a sibling with the same shared prefix is in the
+  batch, so the prefix is computed once; the scheduler gets ``kvstreams_*`` RPC methods (open,
+  evict, session info, pool info) whose arguments and results travel as JSON (``RPC_ARGS``:
+  SGLang's RPC parameters are flat scalars).
 - kv4rl: the ``kv4rl`` attention backend is registered; ``KVCacheConfigurator`` builds
   ``KV4TokenToKVPool`` where it would build ``MHATokenToKVPool``; capacity profiling uses the
   KV4 bytes per token (``DefaultPoolConfigurator``'s cell size) and sets the INT8 side cache
@@ -16,6 +24,7 @@
 from __future__ import annotations
 
 import json
+from array import array
 
 import torch
 
@@ -25,7 +34,11 @@ _installed: set[str] = set()
 
 def install(server_args) -> None:
     if getattr(server_args, "enable_kv_streams", False) and "streams" not in _installed:
+        _install_stream_cache()
         _install_positions()
+        _install_turn_guard()
+        _install_abort_hook()
+        _install_sibling_deferral()
         _install_rpc()
         _installed.add("streams")
     if getattr(server_args, "kv4rl", False) and "kv4rl" not in _installed:
@@ -33,18 +46,30 @@ def install(server_args) -> None:
         _installed.add("kv4rl")
 
 
+def _install_stream_cache() -> None:
+    from sglang.srt.mem_cache.registry import get_radix_cache_factory, register_radix_cache_backend
+
+    from .stream_cache import BACKEND_NAME, make_stream_cache
+
+    if get_radix_cache_factory(BACKEND_NAME) is None:
+        register_radix_cache_backend(BACKEND_NAME, make_stream_cache)
+
+
 def _install_positions() -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-    from .sessions import position_offset
+    from .stream_cache import OFFSET_ATTR, KVStreamRadixCache
 
     original = ForwardBatch.init_new.__func__
 
     def init_new(cls, batch, model_runner, *args, **kwargs):
+        cache = getattr(batch, "tree_cache", None)
+        if isinstance(cache, KVStreamRadixCache) and batch.forward_mode.is_extend():
+            cache.load_side_rows(batch.reqs)
         ret = original(cls, batch, model_runner, *args, **kwargs)
         if ret.positions is None or ret.forward_mode.is_idle():
             return ret
-        offsets = [position_offset(r) for r in batch.reqs]
+        offsets = [getattr(r, OFFSET_ATTR, 0) for r in batch.reqs]
         if any(offsets):
             off = torch.tensor(offsets, dtype=ret.positions.dtype, device=ret.positions.device)
             if not ret.forward_mode.is_decode():
@@ -55,29 +80,121 @@ def _install_positions() -> None:
     ForwardBatch.init_new = classmethod(init_new)
 
 
+def _install_turn_guard() -> None:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from .sessions import ids_refusal, turn_refusal
+    from .stream_cache import KVStreamRadixCache
+
+    original = Scheduler.handle_generate_request
+
+    def refuse(self, recv_req, reason: str) -> None:
+        # as SGLang answers a turn for a session that does not exist: a one-token request that finishes at once
+        req = Req(recv_req.rid, recv_req.input_text, array("q", [0]), recv_req.sampling_params,
+                  vocab_size=self.model_config.vocab_size, http_worker_ipc=recv_req.http_worker_ipc)
+        req.tokenizer = self.tokenizer
+        req.set_finish_with_abort(reason)
+        self.init_req_max_new_tokens(req)
+        self._add_request_to_queue(req)
+
+    def handle_generate_request(self, recv_req):
+        reason = ids_refusal(recv_req.input_ids, self.model_config.vocab_size)
+        cache = self.tree_cache
+        if reason is None and recv_req.session_params is not None and isinstance(cache, KVStreamRadixCache):
+            session = self.session_controller.get(recv_req.session_params.id)
+            if session is not None and session.streaming and not session.close_on_finish and not session._inflight:
+                state = cache.begin_turn(session, recv_req)
+                recv_req.extra_key = state.extra_key
+                reason = turn_refusal(session, state, recv_req, max_req_len=self.max_req_len,
+                                      max_req_input_len=self.max_req_input_len,
+                                      context_len=self.model_config.context_len)
+        if reason is not None:
+            return refuse(self, recv_req, reason)
+        return original(self, recv_req)
+
+    Scheduler.handle_generate_request = handle_generate_request
+
+
+def _install_abort_hook() -> None:
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from .stream_cache import KVStreamRadixCache
+
+    original = Scheduler.abort_request
+
+    def abort_request(self, recv_req):
+        cache = self.tree_cache
+        queued = [r for r in self.waiting_queue if isinstance(cache, KVStreamRadixCache) and cache.stream_of(r)]
+        original(self, recv_req)
+        waiting = set(map(id, self.waiting_queue))
+        for req in queued:
+            if id(req) not in waiting:  # dropped before it ran: SGLang never tells the session, which would stay busy
+                req.session.abort_req()
+                req.session = None
+
+    Scheduler.abort_request = abort_request
+
+
+def _install_sibling_deferral() -> None:
+    from sglang.srt.managers import schedule_policy
+
+    from .stream_cache import KVStreamRadixCache
+
+    Adder = schedule_policy.PrefillAdder
+    original = Adder.add_one_req
+
+    def add_one_req(self, req, *args, **kwargs):
+        cache = self.tree_cache
+        if isinstance(cache, KVStreamRadixCache):
+            prompt = cache.unshared_prompt(req)
+            if prompt is not None and any(cache.unshared_prompt(r) == prompt for r in self.can_run_list):
+                return schedule_policy.AddReqResult.OTHER  # next round: the sibling's prefix is in the tree
+        return original(self, req, *args, **kwargs)
+
+    Adder.add_one_req = add_one_req
+
+
 def _install_rpc() -> None:
     from sglang.srt.managers import scheduler as scheduler_module
     from sglang.srt.managers.io_struct import RpcReqOutput
 
-    from .sessions import evict_session_spans, session_info
+    from trainer_masks import EvictionError
 
     Scheduler = scheduler_module.Scheduler
 
+    def stream_session(self, session_id: str):
+        session = self.session_controller.get(session_id)
+        if session is None:
+            raise EvictionError(f"session {session_id!r} is not open")
+        if not session.streaming:
+            raise EvictionError(f"session {session_id!r} is not a streaming session (open it with /kvstreams/open)")
+        return session
+
+    def kvstreams_open(self, session_id: str, shared_prefix_len: int | None = None, extra_key: str | None = None):
+        stream_session(self, session_id)
+        state = self.tree_cache.open_stream(session_id, shared_prefix_len, extra_key)
+        return dict(session_id=session_id, shared_prefix_len=state.shared_prefix_len, extra_key=state.extra_key)
+
     def kvstreams_evict(self, session_id: str, spans):
-        return evict_session_spans(self, session_id, spans)
+        return self.tree_cache.evict_spans(stream_session(self, session_id), spans)
 
     def kvstreams_session_info(self, session_id: str):
-        return session_info(self, session_id)
+        return self.tree_cache.info(stream_session(self, session_id))
 
     def kvstreams_pool_info(self):
-        """Free/total token slots, the pool class, its bytes, and the per-token size capacity was computed with."""
+        """Free/total token slots, the tree's evictable and locked tokens, what open streams hold and the stream
+        counters, the pool class, its bytes, and the per-token size capacity was computed with."""
         from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
         allocator = self.token_to_kv_pool_allocator
         runner = self.tp_worker.model_runner
+        cache = self.tree_cache
         kv_bytes = allocator.get_kvcache().get_kv_size_bytes()
         configurator = create_memory_pool_configurator(runner.kv_cache_configurator)
         return dict(available_tokens=int(allocator.available_size()), total_tokens=int(allocator.size),
+                    evictable_tokens=int(cache.evictable_size()), protected_tokens=int(cache.protected_size()),
+                    open_streams=len(cache.streams), stream_tokens=cache.stream_tokens(), **cache.counters,
                     pool=type(allocator.get_kvcache()).__name__, open_sessions=len(self.session_controller.sessions),
                     kv_bytes=int(sum(kv_bytes) if isinstance(kv_bytes, tuple) else kv_bytes),
                     cell_bytes=int(configurator._cell_size),
@@ -96,6 +213,7 @@ def _install_rpc() -> None:
         scheduler_module.barrier(group=self.tp_group.cpu_group)
         return out
 
+    Scheduler.kvstreams_open = kvstreams_open
     Scheduler.kvstreams_evict = kvstreams_evict
     Scheduler.kvstreams_session_info = kvstreams_session_info
     Scheduler.kvstreams_pool_info = kvstreams_pool_info

@@ -1,9 +1,16 @@
 """``ServerArgs`` plus the kv-streams / kv4rl flags, and the combinations they need.
 
 ``--kv4rl`` stores the KV cache as KV4-RL (INT4 + INT8 side cache) through the ``kv4rl``
-attention backend; ``--enable-kv-streams`` lets streaming sessions evict spans in place.
-Both ride on SGLang settings that are switched on here (page size 1, streaming sessions,
-no radix cache, no overlap scheduling) or refused with a message saying why.
+attention backend; ``--enable-kv-streams`` makes streaming sessions KV streams living in the
+radix tree (``stream_cache``). Both ride on SGLang settings that are switched on here, before
+``ServerArgs.__post_init__`` (its fields are read-only afterwards), or refused with a message
+saying why. ``--enable-kv-streams`` switches on: page size 1, streaming sessions, the
+``kvstreams`` radix cache backend, no overlap scheduling (v1: a turn's token arrays are rewritten
+between turns), and the ``lpm`` schedule policy unless another than the default ``fcfs`` is given
+(siblings with a cached prefix go first). It refuses: ``--disable-radix-cache``, another radix
+cache backend, the session radix cache, the hierarchical cache, LMCache / FlexKV, speculative
+decoding, DP attention, pipeline parallelism, and a page size other than 1 (the model kinds it
+cannot serve, hybrid SWA / SSM / MLA / DSA, are refused when the cache is built).
 
 CUDA graphs stay SGLang's defaults under ``--kv4rl``: decode steps are captured whole
 ("full"), prefill graphs are "breakable" (attention runs eagerly between captured segments).
@@ -21,6 +28,8 @@ from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.server_args import ServerArgs, add_attention_backend_choices
 
 from .backend import BACKEND_NAME
+
+STREAM_CACHE = "kvstreams"  # stream_cache.BACKEND_NAME (that module imports the scheduler's classes)
 
 add_attention_backend_choices([BACKEND_NAME])
 logger = logging.getLogger(__name__)
@@ -40,6 +49,9 @@ class KVStreamsServerArgs(ServerArgs):
     def __post_init__(self):
         self._check_kvstreams()
         super().__post_init__()
+        if (self.kv4rl or self.enable_kv_streams) and self.page_size != 1:
+            raise ServerArgsError(f"kv-streams and kv4rl evict and store single tokens, but the attention backend "
+                                  f"{self.attention_backend} needs --page-size {self.page_size}")
         if self.kv4rl:
             self._check_kv4rl_graphs()
 
@@ -82,10 +94,25 @@ class KVStreamsServerArgs(ServerArgs):
                                       f"got {self.page_size}")
             self.page_size = 1
         if self.enable_kv_streams:
-            self.enable_streaming_session = True
-            self.disable_radix_cache = True  # a session's row must be its own to compact
-            self.disable_overlap_schedule = True  # overlap commits one extra token per turn into the row
-        if self.kv4rl and not self.disable_radix_cache:
+            refused = [(self.disable_radix_cache, "--disable-radix-cache (streams live in the radix tree)"),
+                       (self.radix_cache_backend not in (None, STREAM_CACHE), f"--radix-cache-backend "
+                        f"{self.radix_cache_backend} (streams need the {STREAM_CACHE!r} backend)"),
+                       (self.enable_session_radix_cache, "--enable-session-radix-cache"),
+                       (self.enable_hierarchical_cache, "--enable-hierarchical-cache"),
+                       (self.enable_lmcache or self.enable_flexkv, "LMCache / FlexKV"),
+                       (self.speculative_algorithm is not None, "speculative decoding"),
+                       (self.enable_dp_attention, "--enable-dp-attention"),
+                       (self.pp_size > 1, "pipeline parallelism (--pp-size > 1)")]
+            for bad, what in refused:
+                if bad:
+                    raise ServerArgsError(f"--enable-kv-streams does not support {what}")
+            self.enable_streaming_session = True  # SGLang's tokenizer refuses streaming sessions otherwise
+            self.radix_cache_backend = STREAM_CACHE
+            self.disable_overlap_schedule = True  # v1: the session's token arrays are rewritten between turns
+            if self.schedule_policy == "fcfs":
+                self.schedule_policy = "lpm"
+        if self.kv4rl and not self.enable_kv_streams and not self.disable_radix_cache:
+            # (KV streams handle this in their cache: a kv4rl stream computes its own prompt, stream_cache.)
             # the INT8 side cache is per request row: a prefix matched in the radix tree (shared prompts, GRPO
             # siblings) would be read through this row's INT8 entries, which only the row that computed it wrote
             logger.warning("--kv4rl: turning the radix cache off: the INT8 side cache holds a request's sink and "
@@ -119,7 +146,8 @@ class KVStreamsServerArgs(ServerArgs):
         group.add_argument("--kv4rl-sink", type=int, default=16, help="first positions kept in INT8")
         group.add_argument("--kv4rl-recent", type=int, default=128, help="most recent positions kept in INT8")
         group.add_argument("--enable-kv-streams", action="store_true",
-                           help="streaming sessions evict spans in place (POST /kvstreams/evict), keeping positions")
+                           help="KV streams: streaming sessions in the radix tree (a shared prefix, then a private "
+                                "branch) with in-place span eviction (POST /kvstreams/open, /kvstreams/evict)")
 
 
 def prepare_server_args(argv: list[str]) -> KVStreamsServerArgs:
