@@ -172,7 +172,7 @@ def test_kv4rl_capacity_sizing(kv4_run, bf16_run, tiny_model_path):
     ratio = bf16_cell / info["cell_bytes"]
     print(f"token capacity per byte: kv4rl / bf16 = {ratio:.3f}")
     assert 3.6 <= ratio <= 3.8
-    side = info["max_running_requests"] * (16 + 128) * 2 * layers * heads * (d + 2)
+    side = (info["max_running_requests"] + 1) * (16 + 128) * 2 * layers * heads * (d + 2)  # rows 1..max (0 pads)
     assert info["kv_bytes"] == info["cell_bytes"] * (info["total_tokens"] + 1) + side
     assert bf16_run["pool_start"]["cell_bytes"] == bf16_cell * 2  # fp32 KV in the parity run: 4 bytes/element
 

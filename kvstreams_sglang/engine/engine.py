@@ -14,6 +14,8 @@ exactly one.
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,6 +58,18 @@ class EngineStats:
         return self.tokens_prefilled + self.tokens_decoded + self.tokens_reprefilled_on_update - self.tokens_in_streams
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """One scheduler step, as an ``Engine.on_step`` observer sees it (benchmarks time steps with it)."""
+
+    mode: Literal["extend", "decode"]
+    streams: int  # streams whose tokens the step computed
+    tokens: int  # tokens computed
+    seconds: float  # wall time; a step ends by copying the sampled tokens to the host, so it is device time too
+    live_slots: int  # KV slots in use after the step
+    max_stream_slots: int  # the most KV slots one of the step's streams holds after it
+
+
 @dataclass
 class _Request:
     sid: int
@@ -67,17 +81,23 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model_path: str, *, kv_dtype: Literal["bf16", "kv4rl"] = "bf16", device="cpu",
-                 dtype: torch.dtype | None = None, max_tokens: int = 65536, max_streams: int = 256,
+    """``model_path`` loads a checkpoint; ``model=`` runs an already-loaded Hugging Face model instead (several
+    engines, e.g. with different pools, can share one). ``on_step`` is called after every scheduler step with
+    its ``StepInfo``."""
+
+    def __init__(self, model_path: str | None = None, *, model=None, kv_dtype: Literal["bf16", "kv4rl"] = "bf16",
+                 device="cpu", dtype: torch.dtype | None = None, max_tokens: int = 65536, max_streams: int = 256,
                  sink: int = 16, recent: int = 128, max_prefill_tokens: int = 16384,
-                 max_context: int | None = None, batch_invariant: bool = False):
+                 max_context: int | None = None, batch_invariant: bool = False,
+                 on_step: Callable[[StepInfo], None] | None = None):
         if kv_dtype not in ("bf16", "kv4rl"):
             raise ValueError(f"kv_dtype must be 'bf16' or 'kv4rl', got {kv_dtype!r}")
         if batch_invariant and kv_dtype != "bf16":
             raise ValueError("batch_invariant needs kv_dtype='bf16': the trainer cannot replay INT4 rounding "
                              "bit for bit")
         self.device = torch.device(device)
-        self.runner = ModelRunner(model_path, device=self.device, dtype=dtype, batch_invariant=batch_invariant)
+        self.runner = ModelRunner(model_path, model=model, device=self.device, dtype=dtype,
+                                  batch_invariant=batch_invariant)
         r = self.runner
         self.kv_dtype = kv_dtype
         if kv_dtype == "kv4rl":
@@ -96,6 +116,7 @@ class Engine:
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
         self._loop_task: asyncio.Task | None = None
+        self.on_step = on_step
 
     # ---- stream verbs ----
     def open_stream(self, stream: list[int] | StreamLedger) -> int:
@@ -266,6 +287,7 @@ class Engine:
         reqs = list(self._requests.values())
         if not reqs:
             return
+        t0 = time.perf_counter()
         extend = [r for r in reqs if self.table.get(r.sid).ledger.num_pending > 1 or r.params is None]
         mode = "extend" if extend else "decode"
         chosen = extend if extend else reqs
@@ -307,6 +329,9 @@ class Engine:
         self.stats.tokens_in_streams += n_new
         self.stats.steps += 1
         self._update_slot_stats()
+        if self.on_step is not None:
+            self.on_step(StepInfo(mode, len(items), n_new, time.perf_counter() - t0, self.stats.live_slots,
+                                  max(len(it.stream.slots) for it in items)))
 
     def _record_sample(self, req: _Request, tok: int, lp: float) -> None:
         self.table.get(req.sid).ledger.add_sampled(tok, lp, self.policy_version)
