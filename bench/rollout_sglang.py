@@ -370,7 +370,8 @@ def summarize(run: dict, setup: Setup, strategy: str, server: Server, bytes_: di
         config=setup.name, label=setup.label, strategy=strategy, execution=setup.execution, kv_format=setup.kv,
         window_s=window, warmup_and_drain_s=run["wall_s"] - window, episodes_completed=n,
         episodes_per_s=n / window if window else 0.0,
-        gpu_s_per_100_episodes=100 * window / n if n else None,
+        gpu_s_per_100_episodes=100 * window / n if n else None,  # the GPU is the server's for the whole window
+        gpu_busy_s_per_100_episodes=100 * prof["gpu_busy_s"] / n if n and "gpu_busy_s" in prof else None,
         output_tokens=out_tokens, output_tokens_per_s=out_tokens / window if window else 0.0,
         prefill_tokens_computed=prof["prefill"]["tokens"],
         prefill_tokens_computed_per_episode=prof["prefill"]["tokens"] / n if n else None,
@@ -674,7 +675,11 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
                       f"re-prefilled {row['reprefilled_tokens']}, decode {dec['ms_per_step'] or dec['ms_per_step_log']}"
                       f" ms/step, failed {row['episodes_failed']}", flush=True)
                 if setup.client == "stock":
-                    server.flush_cache()  # the next strategy starts from an empty radix cache
+                    try:
+                        server.flush_cache()  # the next strategy starts from an empty radix cache
+                    except (OSError, RuntimeError) as e:  # requests left behind by a cut run: say so, go on
+                        row["flush_cache_failed"] = repr(e)
+                        save()
     if sizer is not None:
         sizer.shutdown(cancel_futures=True)
     result["targets"] = targets(result["runs"])
