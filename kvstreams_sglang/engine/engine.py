@@ -65,7 +65,7 @@ class StepInfo:
     mode: Literal["extend", "decode"]
     streams: int  # streams whose tokens the step computed
     tokens: int  # tokens computed
-    seconds: float  # wall time; a step ends by copying the sampled tokens to the host, so it is device time too
+    seconds: float  # wall time (a step that samples ends by copying its tokens to the host: device time too)
     live_slots: int  # KV slots in use after the step
     max_stream_slots: int  # the most KV slots one of the step's streams holds after it
 
