@@ -1,7 +1,7 @@
 """Built-in engine throughput on the GPU: bf16 vs kv4rl KV storage, same model, same streams.
 
-A Qwen3-4B-shaped model with random weights (built on the GPU, saved once as a local
-checkpoint, loaded through ``Engine(model_path)`` like any checkpoint). ``--streams``
+A Qwen3-4B-shaped model with random weights (``kvstreams_sglang.checkpoints``: built on the GPU, saved once
+as a local checkpoint, loaded through ``Engine(model_path)`` like any checkpoint). ``--streams``
 streams each prefill ``--context`` tokens, then decode ``--new-tokens`` tokens together;
 we report prefill and decode tokens/s and KV bytes for each storage, side by side.
 Usage: ``python -m bench.engine_throughput [--streams 64 --context 4096 --new-tokens 64]``.
@@ -17,23 +17,13 @@ import time
 
 import torch
 
-QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                rope_theta=1e6, tie_word_embeddings=True, rms_norm_eps=1e-6)
 
+def build_random_checkpoint(path: str) -> str:
+    from kvstreams_sglang.checkpoints import QWEN3_4B, build_tiny_model
 
-def build_random_checkpoint(path: str, shape: dict) -> str:
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    config = Qwen3Config(**shape)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
+    if not os.path.exists(os.path.join(path, "config.json")):
+        build_tiny_model(path, **QWEN3_4B.kwargs(), dtype=torch.bfloat16, device="cuda")
+        torch.cuda.empty_cache()
     return path
 
 
@@ -84,7 +74,7 @@ def main():
     p.add_argument("--out", default=None)
     p.add_argument("--profile", action="store_true")
     a = p.parse_args()
-    path = build_random_checkpoint(a.model_path, QWEN3_4B)
+    path = build_random_checkpoint(a.model_path)
     rows = []
     for kv in ("bf16", "kv4rl"):
         row = run_one(path, kv, a.streams, a.context, a.new_tokens, a.profile)

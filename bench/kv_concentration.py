@@ -6,7 +6,8 @@ once; with *synchronous waves* ``B`` episodes start together and the next wave s
 every episode of the previous one has finished, so each wave lasts as long as its longest
 episode and the batch drains as its episodes end.
 
-Measured for both (``rollout_common.StepLog``): mean active batch (streams per decode call),
+Every episode runs the real agent loop (``bench.replay``). Measured for both (``rollout_common.StepLog``, from
+``Engine.on_step``): mean active batch (streams per decode call),
 number of decode calls, mean resident KV tokens per step and mean step latency, and the ratios
 waves / refill. The idealised model: an episode of length ``L`` (here: generated tokens = the
 decode steps it needs) in a wave of ``B`` waits for ``max L``, so waves need ``E[max_B L] / E[L]``
@@ -17,24 +18,21 @@ decode-call ratio with ``E[max_B L] / E[L]`` computed from the length distributi
 
 from __future__ import annotations
 
-import asyncio
 import heapq
+import time
 
-from .rollout_common import (
-    EpisodeSpec,
-    ReplayConfig,
-    estimate_gpu_seconds,
-    expected_max_over_mean,
-    free_engine,
-    make_engine,
-    replay,
-    warm_up,
-)
+from envs.rollout.compaction import CompactionConfig
+
+from .replay import EpisodeSpec, Gate, Replay, episode_config, episode_peaks, expected_max_over_mean
+from .rollout_common import estimate_gpu_seconds, free_engine, make_engine, run_logged, warm_up
 
 METRICS = (("mean_decode_batch", "mean active batch (streams / decode call)", "refill"),
            ("decode_calls", "decode calls", "waves"),
            ("mean_resident_kv_tokens", "mean resident KV tokens / step", "refill"),
            ("mean_decode_step_ms", "mean decode step latency (ms)", "refill"))
+# The KV4-RL paper's concentration for each METRICS entry, in order: active batch 8.27x, decode calls 8.35x,
+# resident KV 7.82x, step latency 4.52x
+PAPER_RATIOS = (8.27, 8.35, 7.82, 4.52)
 
 
 def scheduled_calls(lengths: list[int], batch: int, *, waves: bool) -> int:
@@ -49,28 +47,42 @@ def scheduled_calls(lengths: list[int], batch: int, *, waves: bool) -> int:
     return max(finish)
 
 
-def run(model, device, episodes: list[EpisodeSpec], *, max_batch: int = 32, kv_dtype: str = "bf16",
+def run(model, device, episodes: list[EpisodeSpec], renderer, *, max_batch: int = 32, kv_dtype: str = "bf16",
         strategy: str = "full_context", window: int = 4, sink: int = 16, recent: int = 128, seed: int = 0,
-        vocab: int = 256, pool_lengths: list[int] | None = None, progress=None, log=print) -> dict:
-    peaks = sorted((ep.peak_live(strategy, window) for ep in episodes), reverse=True)
+        pool_lengths: list[int] | None = None, progress=None, log=print) -> dict:
+    compaction = (CompactionConfig(strategy="full_context") if strategy == "full_context"
+                  else CompactionConfig(strategy=strategy, max_turns=window, stride=1))
+    replay = Replay(renderer, compaction, episode_config(), seed=seed)
+    reserved = episode_peaks(episodes, renderer, compaction, replay.config)
+    peaks = sorted(reserved, reverse=True)
     max_tokens = sum(peaks[:max_batch]) + 64  # memory never binds: only the batch does
     eng = make_engine(model, kv_dtype, max_tokens=max_tokens, max_streams=max_batch, max_context=peaks[0] + 64,
                       device=device, sink=sink, recent=recent)
-    warm_up(eng, n=min(4, max_batch))
+    warm_up(eng, replay, n=min(4, max_batch))
     modes = {}
     for mode in ("refill", "waves"):
         task = progress.add_task(f"KV concentration: {mode}", total=len(episodes)) if progress is not None else None
-        cfg = ReplayConfig(strategy=strategy, window=window, max_batch=max_batch, waves=mode == "waves", seed=seed)
-        res = asyncio.run(replay(eng, episodes, cfg, max_tokens, vocab=vocab,
-                                 on_done=(lambda t=task: progress.advance(t)) if task is not None else None))
-        modes[mode] = dict(wall_s=res.wall_s, tokens_per_s=res.generated / res.wall_s,
-                           est_h200_s=estimate_gpu_seconds(res.log, kv_dtype), **res.log.summary())
+        gate = Gate(max_tokens, max_batch, waves=mode == "waves")
+        t0 = time.perf_counter()
+        done, steplog = run_logged(eng, episodes, replay, gate, reserved,
+                                   on_done=(lambda t=task: progress.advance(t)) if task is not None else None)
+        wall = time.perf_counter() - t0
+        generated = sum(d.episode.stats.tokens_generated for d in done)
+        modes[mode] = dict(wall_s=wall, tokens_per_s=generated / wall, waves=gate.num_waves,
+                           est_h200_s=estimate_gpu_seconds(steplog, kv_dtype), **steplog.summary())
         log(f"KV concentration {mode}: {modes[mode]['decode_calls']} decode calls, batch "
             f"{modes[mode]['mean_decode_batch']:.1f}, resident KV {modes[mode]['mean_resident_kv_tokens']:.0f}, "
-            f"{modes[mode]['mean_decode_step_ms']:.1f} ms/decode step, {res.wall_s:.1f}s")
+            f"{modes[mode]['mean_decode_step_ms']:.1f} ms/decode step, {wall:.1f}s")
     free_engine(eng)
     del eng
-    r, w = modes["refill"], modes["waves"]
+    return dict(max_batch=max_batch, kv_dtype=kv_dtype, strategy=strategy, episodes=len(episodes),
+                pool_tokens=max_tokens, **concentration(modes["refill"], modes["waves"], episodes, max_batch,
+                                                        pool_lengths))
+
+
+def concentration(r: dict, w: dict, episodes: list[EpisodeSpec], max_batch: int,
+                  pool_lengths: list[int] | None = None) -> dict:
+    """Waves over refill for every ``METRICS`` entry, C_KV, and the idealised model on these episodes."""
     ratios = {}
     for key, label, larger in METRICS:
         ratio = w[key] / r[key] if r[key] else float("nan")
@@ -85,11 +97,10 @@ def run(model, device, episodes: list[EpisodeSpec], *, max_batch: int = 32, kv_d
                                                        / scheduled_calls(gen, max_batch, waves=False)))
     if pool_lengths:
         theory["e_max_over_e_l_generated_pool"] = expected_max_over_mean(pool_lengths, max_batch)
-    return dict(max_batch=max_batch, kv_dtype=kv_dtype, strategy=strategy, episodes=len(episodes),
-                pool_tokens=max_tokens, refill=r, waves=w, ratios=ratios,
+    return dict(refill=r, waves=w, ratios=ratios,
                 c_kv_measured=r["mean_resident_kv_tokens"] / w["mean_resident_kv_tokens"],
                 decode_call_ratio_measured=w["decode_calls"] / r["decode_calls"], theory=theory,
-                paper_ratios=[8.27, 8.35, 7.82, 4.52])
+                paper_ratios=list(PAPER_RATIOS))
 
 
 def plot(result: dict, path) -> None:

@@ -2,9 +2,10 @@
 (``bench.rollout_throughput``), KV concentration of continuous refill vs synchronous waves
 (``bench.kv_concentration``) and sampler fidelity D_sampler (``bench.sampler_fidelity``).
 
-Items 1 and 2 run a Qwen3-4B-shaped model with random weights (built in memory on the device,
-shared by every engine) on the built-in engine, replaying TextWorld-like episodes whose turn
-lengths come from real games (``bench/data/textworld_turns.json``, ``bench.textworld_lengths``);
+Items 1 and 2 run a Qwen3-4B-shaped model with random weights (``kvstreams_sglang.checkpoints``, loaded once
+and shared by every engine: ``Engine(model=...)``) on the built-in engine, replaying TextWorld-like episodes
+through the real agent loop (``bench.replay``) whose turn lengths come from real games
+(``bench/data/textworld_turns.json``, ``bench.textworld_lengths``);
 item 3 runs ``--model-path`` (default: a tiny random model). Writes one JSON (``--out``) and a
 PNG per item next to it, and prints one results table.
 
@@ -27,6 +28,7 @@ CPU, tiny model and tiny episodes (seconds; the test suite runs it)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -40,7 +42,9 @@ from pathlib import Path
 import torch
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "rollout_evidence_h200.json"
-TINY = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=128)
+# 152k embedding rows (Qwen3's): ids past the byte tokenizer are never text, and a random model samples the
+# end-of-turn token about once in 150k tokens, so replayed messages keep their recorded lengths
+TINY = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=128, vocab_rows=151936)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,8 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--data", type=Path, default=None, help="turn-length data (default bench/data/textworld_turns.json)")
     g.add_argument("--policies", default="expert,detour,random", help="which recorded policies' episodes to draw")
     g.add_argument("--length-scale", type=float, default=None,
-                   help="scale the recorded token counts, which are byte-tokenizer counts (default 0.3: roughly\n"
-                        "what Qwen3's BPE makes of the same English text; 1 = bytes; --quick: 0.08)")
+                   help="scale the recorded texts, whose token counts are byte-tokenizer counts (default 0.3: roughly\n"
+                        "what Qwen3's BPE makes of the same English text; 1 = bytes; --quick: 0.08); the chat\n"
+                        "template's tokens around each piece are kept")
     g.add_argument("--max-turns", type=int, default=None, help="cut episodes at this many turns")
     g.add_argument("--no-precompile", dest="precompile", action="store_false",
                    help="skip the pass that compiles every Triton specialisation before the timed runs (GPU)")
@@ -191,31 +196,47 @@ def results_table(result: dict):
     return Group(*parts)
 
 
-QWEN3_4B_KV = dict(num_layers=36, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
+def qwen3_4b_kv() -> dict:
+    from kvstreams_sglang.checkpoints import QWEN3_4B
+
+    return dict(num_layers=QWEN3_4B.num_layers, num_kv_heads=QWEN3_4B.num_kv_heads, head_dim=QWEN3_4B.head_dim,
+                dtype=torch.bfloat16)
 
 
-def rollout_items(a, model, *, size_for=None, engine_kv=None, progress=None, log=print) -> dict:
-    """Items 1 and 2 on ``model`` (episodes drawn from ``a``'s settings); see ``rollout_throughput.run``
-    for ``size_for`` / ``engine_kv``."""
+def replay_renderer(model_path: str):
+    from transformers import AutoTokenizer
+
+    from envs.rollout.chat import ChatRenderer
+
+    from .replay import SYSTEM_PROMPT
+
+    return ChatRenderer(AutoTokenizer.from_pretrained(model_path), SYSTEM_PROMPT)
+
+
+def rollout_items(a, model, renderer, *, size_for=None, engine_kv=None, progress=None, log=print) -> dict:
+    """Items 1 and 2 on ``model`` (episodes drawn from ``a``'s settings, rendered by ``renderer``); see
+    ``rollout_throughput.run`` for ``size_for`` / ``engine_kv``."""
     from . import kv_concentration, rollout_throughput
-    from .rollout_common import DATA, kv_bytes, length_stats, load_episode_pool, sample_episodes
+    from .replay import DATA, Template, length_stats, load_episode_pool, sample_episodes
+    from .rollout_common import kv_bytes
 
     pool = load_episode_pool(a.data or DATA, tuple(a.policies.split(",")))
-    vocab = min(256, model.config.vocab_size)
+    template = Template.of(renderer)
     ep_desc = dict(data=str(a.data or DATA), policies=a.policies, length_scale=a.length_scale,
                    max_turns=a.max_turns, seed=a.seed)
     out, timings = {}, {}
     if 1 in a.items:
         t0 = time.perf_counter()
-        eps = sample_episodes(pool, a.episodes, a.seed, length_scale=a.length_scale, max_turns=a.max_turns)
+        eps = sample_episodes(pool, a.episodes, a.seed, length_scale=a.length_scale, max_turns=a.max_turns,
+                              template=template)
         if a.budget_gib is None:  # --quick: about three full-context episodes' KV in bf16
             shape = size_for or rollout_throughput.model_shape(model)
             per_token = kv_bytes("bf16", shape["num_layers"], shape["num_kv_heads"], shape["head_dim"],
                                  dtype=shape["dtype"])["per_token"]
-            a.budget_gib = 3 * statistics.fmean(e.peak_live("full_context", a.window) for e in eps) * per_token / 2**30
-        res = rollout_throughput.run(model, a.device, eps, budget_bytes=int(a.budget_gib * 2**30),
+            a.budget_gib = 3 * statistics.fmean(e.total for e in eps) * per_token / 2**30
+        res = rollout_throughput.run(model, a.device, eps, renderer, budget_bytes=int(a.budget_gib * 2**30),
                                      max_batch=a.max_batch, window=a.window, kv_dtypes=tuple(a.kv_dtypes.split(",")),
-                                     executions=tuple(a.executions.split(",")), seed=a.seed, vocab=vocab,
+                                     executions=tuple(a.executions.split(",")), seed=a.seed,
                                      size_for=size_for, engine_kv=engine_kv, progress=progress, log=log)
         out["throughput"] = dict(
             budget_gib=a.budget_gib, episodes=len(eps), max_batch=a.max_batch, window=a.window, episode_source=ep_desc,
@@ -225,12 +246,13 @@ def rollout_items(a, model, *, size_for=None, engine_kv=None, progress=None, log
         timings["throughput"] = time.perf_counter() - t0
     if 2 in a.items:
         t0 = time.perf_counter()
-        eps = sample_episodes(pool, a.conc_episodes, a.seed + 1, length_scale=a.length_scale, max_turns=a.max_turns)
-        pool_gen = [e.generated for e in sample_episodes(pool, len(pool) * 20, a.seed + 2,
+        eps = sample_episodes(pool, a.conc_episodes, a.seed + 1, length_scale=a.length_scale, max_turns=a.max_turns,
+                              template=template)
+        pool_gen = [e.generated for e in sample_episodes(pool, len(pool) * 20, a.seed + 2, template=template,
                                                          length_scale=a.length_scale, max_turns=a.max_turns)]
-        res = kv_concentration.run(model, a.device, eps, max_batch=a.conc_batch, kv_dtype=engine_kv or a.conc_kv,
-                                   strategy=a.conc_strategy, window=a.window, seed=a.seed, vocab=vocab,
-                                   pool_lengths=pool_gen, progress=progress, log=log)
+        res = kv_concentration.run(model, a.device, eps, renderer, max_batch=a.conc_batch,
+                                   kv_dtype=engine_kv or a.conc_kv, strategy=a.conc_strategy, window=a.window,
+                                   seed=a.seed, pool_lengths=pool_gen, progress=progress, log=log)
         out["concentration"] = dict(episode_source=ep_desc, **res)
         timings["concentration"] = time.perf_counter() - t0
     out["timings_s"] = timings
@@ -246,10 +268,10 @@ def main(argv=None) -> dict:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from kvstreams_sglang.checkpoints import build_tiny_model
+    from kvstreams_sglang.checkpoints import QWEN3_4B, build_tiny_model
 
     from . import kv_concentration, rollout_throughput, sampler_fidelity
-    from .rollout_common import QWEN3_4B, build_random_model, device_name, load_engine_model
+    from .rollout_common import device_name, load_engine_model
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     t_start = time.perf_counter()
@@ -283,12 +305,11 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             size_for = engine_kv = None
             if a.dry_run:
-                model = load_engine_model(str(build_tiny_model(Path(tmp.name) / "tiny1", **dict(TINY, num_layers=1))),
-                                          a.device)
+                path = str(build_tiny_model(Path(tmp.name) / "tiny1", **dict(TINY, num_layers=1)))
                 model_desc = "dry run: 1-layer tiny model, bf16 engines sized for the Qwen3-4B shape's KV bytes"
-                size_for, engine_kv = QWEN3_4B_KV, "bf16"
+                size_for, engine_kv = qwen3_4b_kv(), "bf16"
             elif a.engine_model_path or a.quick:
-                model = load_engine_model(a.engine_model_path or tiny(), a.device)
+                path = a.engine_model_path or tiny()
                 model_desc = a.engine_model_path or f"tiny random Qwen3 {TINY}"
             else:
                 if a.precompile:
@@ -296,20 +317,24 @@ def main(argv=None) -> dict:
                     # Triton specialisation the timed runs will meet (decode split counts vary with batch
                     # and context), so that no compile lands inside a measurement.
                     t1 = time.perf_counter()
-                    small = build_random_model(dict(QWEN3_4B, num_hidden_layers=1, hidden_size=256,
-                                                    intermediate_size=512, vocab_size=512), a.device, seed=a.seed)
-                    rollout_items(a, small, size_for=QWEN3_4B_KV, log=lambda *_: None)
+                    small_shape = dataclasses.replace(QWEN3_4B, num_layers=1, hidden_size=256, intermediate_size=512)
+                    small_path = str(build_tiny_model(Path(tmp.name) / "small", **small_shape.kwargs(),
+                                                      dtype=torch.bfloat16, device=a.device, seed=a.seed))
+                    small = load_engine_model(small_path, a.device)
+                    rollout_items(a, small, replay_renderer(small_path), size_for=qwen3_4b_kv(), log=lambda *_: None)
                     del small
                     result["timings_s"]["precompile"] = time.perf_counter() - t1
                     console.print(f"precompile pass (1-layer model, same schedule): "
                                   f"{result['timings_s']['precompile']:.1f}s")
-                model = build_random_model(QWEN3_4B, a.device, seed=a.seed)
+                path = str(build_tiny_model(Path(tmp.name) / "qwen3-4b", **QWEN3_4B.kwargs(), dtype=torch.bfloat16,
+                                            device=a.device, seed=a.seed))
                 model_desc = "Qwen3-4B shape (36 layers, hidden 2560, 32/8 heads, head_dim 128, MLP 9728), random"
+            model = load_engine_model(path, a.device)
             result["engine_model"] = model_desc
             result["timings_s"]["model"] = time.perf_counter() - t0 - result["timings_s"].get("precompile", 0.0)
             console.print(f"engine model: {model_desc} on {result['device']} ({result['timings_s']['model']:.1f}s)")
-            res = rollout_items(a, model, size_for=size_for, engine_kv=engine_kv, progress=progress,
-                                log=console.print)
+            res = rollout_items(a, model, replay_renderer(path), size_for=size_for, engine_kv=engine_kv,
+                                progress=progress, log=console.print)
             result["timings_s"].update(res.pop("timings_s"))
             result.update(res)
             save()

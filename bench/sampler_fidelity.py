@@ -38,7 +38,7 @@ import torch
 
 from kvstreams_sglang.kv4.regions import protected_mask
 
-from .rollout_common import DATA
+from .replay import DATA
 
 ATTENTION = "kv4_fakequant"
 # name -> (mode, sink, recent)

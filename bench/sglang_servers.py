@@ -5,7 +5,10 @@ A ``Server`` starts ``python -m <module> --model-path M --port P <flags>`` in it
 for ``/health_generate``, and is stopped with its whole group. What a benchmark reads from it:
 ``server_info()`` (SGLang's resolved arguments and the KV pool's ``max_total_num_tokens``), the
 scheduler's "Decode batch" log lines (running requests, KV tokens, whether the step ran a CUDA
-graph, the generation throughput of the last interval), and its own timed requests.
+graph, the generation throughput of the last interval) and "Prefill batch" lines (one per prefill step:
+new sequences, tokens computed and found cached, queued requests), its Prometheus ``/metrics``
+(``--enable-metrics``; with ``SGLANG_ENABLE_METRICS_DEVICE_TIMER=1`` on a GPU the forward passes' device time
+per mode, ``sglang:forward_execution_seconds_total{category=extend|decode}``), and its own timed requests.
 """
 
 from __future__ import annotations
@@ -68,6 +71,44 @@ def decode_lines(text: str) -> list[DecodeLine]:
                        float(m["thr"])) for m in _DECODE.finditer(text)]
 
 
+_PREFILL = re.compile(
+    r"Prefill batch[^,]*,\s+#new-seq:\s*(?P<seqs>\d+),\s+#new-token:\s*(?P<new>\d+),\s+"
+    r"#cached-token:\s*(?P<cached>\d+),\s+token usage:\s*(?P<usage>[0-9.]+),\s+#running-req:\s*(?P<running>\d+),"
+    r"\s+#queue-req:\s*(?P<queue>\d+)")
+
+
+@dataclass(frozen=True)
+class PrefillLine:
+    """One prefill (extend) step of the scheduler."""
+
+    seqs: int  # requests the step extends
+    new_tokens: int  # tokens it computes
+    cached_tokens: int  # prompt tokens of those requests found in the cache (not computed)
+    usage: float
+    running: int  # requests decoding beside it
+    queued: int  # requests waiting (memory or the running-request cap)
+
+
+def prefill_lines(text: str) -> list[PrefillLine]:
+    return [PrefillLine(int(m["seqs"]), int(m["new"]), int(m["cached"]), float(m["usage"]), int(m["running"]),
+                        int(m["queue"])) for m in _PREFILL.finditer(text)]
+
+
+_METRIC = re.compile(r"^(?P<name>[a-zA-Z_:][\w:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)$", re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+def parse_metrics(text: str) -> list[tuple[str, dict, float]]:
+    """Prometheus text exposition -> ``(name, labels, value)`` samples."""
+    return [(m["name"], dict(_LABEL.findall(m["labels"] or "")), float(m["value"])) for m in _METRIC.finditer(text)]
+
+
+def metric_total(samples: list[tuple[str, dict, float]], name: str, **labels) -> float | None:
+    """The sum of ``name``'s samples whose labels include ``labels`` (None: no such sample)."""
+    hits = [v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())]
+    return sum(hits) if hits else None
+
+
 @dataclass
 class Server:
     config: ServerConfig
@@ -87,12 +128,19 @@ class Server:
                 *COMMON, *self.config.flags, *self.flags]
 
     def start(self, timeout_s: float = 900.0) -> Server:
+        return self.launch().wait_ready(timeout_s)
+
+    def launch(self) -> Server:
+        """Start the process (``wait_ready`` waits for it to serve)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "w")
         log.write(" ".join(self.command()) + "\n")
         log.flush()
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, **self.env})
+        return self
+
+    def wait_ready(self, timeout_s: float = 900.0) -> Server:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -152,6 +200,23 @@ class Server:
 
     def server_info(self) -> dict:
         return self._get("/server_info")
+
+    def metrics(self) -> list[tuple[str, dict, float]]:
+        """``/metrics`` samples (``--enable-metrics``)."""
+        import urllib.request
+
+        with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
+            return parse_metrics(r.read().decode())
+
+    def flush_cache(self) -> None:
+        """Drop the radix cache (SGLang refuses while requests run, and says so in plain text)."""
+        import urllib.request
+
+        req = urllib.request.Request(self.url + "/flush_cache", data=b"", method="POST")
+        with urllib.request.urlopen(req, timeout=60) as r:
+            text = r.read().decode()
+        if "Cache flushed" not in text:
+            raise RuntimeError(f"{self.config.name}: flush_cache refused: {text!r}")
 
 
 async def post_many(url: str, route: str, payloads: list[dict], *, timeout_s: float = 1800) -> list[dict]:

@@ -133,3 +133,19 @@ def test_live_kv_stays_bounded_while_full_context_grows_linearly(renderer, strat
     full200, _ = run(renderer, "full_context", "kv_streams", 200)
     per_turn = (full200.stats.peak_live_tokens - full100.stats.peak_live_tokens) / 100
     assert per_turn > 40 and full200.stats.peak_live_tokens > 10 * long.stats.peak_live_tokens
+
+
+def test_an_environment_can_bound_each_answer(tiny_model_path):
+    """An environment with ``max_new_tokens()`` bounds the next assistant message (``protocol.answer_budget``),
+    never above the episode config's own bound."""
+
+    class Bounded(FixedEnv):
+        def max_new_tokens(self):
+            return 2 + self.t
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_path), FixedEnv.system_prompt)
+    client = ScriptedClient(lambda sid, n, m: [65] * m)  # a model that always writes as much as it may
+    ep = asyncio.run(run_episode(client, Bounded(obs_len=5, steps=4), Task("t", "train"), renderer,
+                                 CompactionConfig(strategy="full_context"),
+                                 EpisodeConfig(max_turns=10, max_new_tokens=4)))
+    assert ep.stats.turns == 4 and ep.stats.tokens_generated == 2 + 3 + 4 + 4

@@ -247,3 +247,24 @@ def test_kv4rl_cpu_reference_path_equals_the_triton_kernels(tiny_model_path, dev
         assert ref.token_ids == kernel.token_ids
         diffs = [abs(a - b) for a, b in zip(ref.logprobs, kernel.logprobs, strict=True) if a is not None]
         assert len(diffs) == 6 and max(diffs) < 1e-3
+
+
+def test_an_engine_on_a_loaded_model_reports_each_step(tiny_model_path):
+    """``Engine(model=...)`` runs an already-loaded model (engines with different pools can share one) exactly as
+    ``Engine(path)`` does; ``on_step`` sees every scheduler step (what the benchmarks time)."""
+    from kvstreams_sglang.engine.model_runner import load_model
+
+    model = load_model(str(tiny_model_path), device="cpu", dtype=torch.float32)[0]
+    steps = []
+    shared = Engine(model=model, max_tokens=256, max_streams=2, on_step=steps.append)
+    loaded = Engine(str(tiny_model_path), max_tokens=256, max_streams=2, dtype=torch.float32)
+    prompt = list(range(10, 30))
+    a = shared.generate(shared.open_stream(prompt), max_new_tokens=4, temperature=0.0)
+    b = loaded.generate(loaded.open_stream(prompt), max_new_tokens=4, temperature=0.0)
+    assert a.token_ids == b.token_ids and a.logprobs == pytest.approx(b.logprobs, abs=1e-6)
+    # the prompt in one extend, then one decode per sampled token but the last (still pending)
+    assert [(s.mode, s.streams, s.tokens) for s in steps] == [("extend", 1, 20)] + [("decode", 1, 1)] * 3
+    assert [s.live_slots for s in steps] == [20, 21, 22, 23] == [s.max_stream_slots for s in steps]
+    assert all(s.seconds > 0 for s in steps)
+    with pytest.raises(ValueError, match="exactly one"):
+        Engine(str(tiny_model_path), model=model)

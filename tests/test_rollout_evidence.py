@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.rollout_common import EpisodeSpec, kv_bytes, load_episode_pool, sample_episodes, size_pool
+from bench.replay import EpisodeSpec, Template, episode_peaks, load_episode_pool, sample_episodes
+from bench.rollout_common import kv_bytes, size_pool
 from bench.sampler_fidelity import FakeQuant, SampledStream, regions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,15 +111,31 @@ def test_kv_bytes_are_the_pools_bytes():
     assert tokens * b["per_token"] + streams * b["per_stream"] <= 2**30 and streams < 64
 
 
-def test_episode_peaks_and_sampling():
+def test_episode_peaks_and_sampling(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from bench.replay import SYSTEM_PROMPT
+    from envs.rollout.chat import ChatRenderer
+    from envs.rollout.compaction import CompactionConfig
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_path), SYSTEM_PROMPT)
     ep = EpisodeSpec(100, ((10, 50), (10, 60), (10, 70), (10, 0)))
-    assert ep.peak_live("full_context", 2) == ep.total == 100 + 40 + 180
-    # window 2: after turn 2 completes the oldest (60 tokens) is evicted: live 100+70, then +80, then +10
-    assert ep.peak_live("sliding_window", 2) == 100 + 70 + 80
+    # the agent loop itself, without a model: the most live + pending tokens of the episode's stream
+    full, window = (episode_peaks([ep], renderer, CompactionConfig(strategy=s, max_turns=2, stride=1))[0]
+                    for s in ("full_context", "sliding_window"))
+    assert full == ep.total == 100 + 40 + 180
+    # window 2: after turn 2 completes the oldest (60 tokens) is evicted: live 100+70, then +80, then +10; the
+    # peak is turn 3's observation appended before turn 2 is evicted, less the next assistant header (counted in
+    # a recorded observation, appended by the loop with the next turn, after the compaction)
+    assert window == 100 + 70 + 80 - len(renderer.assistant_header())
     pool = load_episode_pool()
     assert len(pool) >= 48 and {e.source.split("/")[1] for e in pool} == {"expert", "detour", "random"}
     a, b = sample_episodes(pool, 16, 3), sample_episodes(pool, 16, 3)
     assert a == b and all(e.turns[-1][1] == 0 for e in a)
+    template = Template.of(renderer)
+    scaled = sample_episodes(pool, 16, 3, length_scale=0.3, template=template)
+    assert all(s.first - template.first == max(1, round((e.first - template.first) * 0.3))
+               for s, e in zip(scaled, a, strict=True))
 
 
 def test_fakequant_regions_follow_the_engine_rule():

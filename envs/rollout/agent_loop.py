@@ -24,7 +24,7 @@ from trainer_masks import StreamLedger
 from .chat import ChatRenderer
 from .client import EngineClient
 from .compaction import Compaction, CompactionConfig, EpisodeView, Exchange, Span, make_strategy
-from .protocol import Environment, Task
+from .protocol import Environment, Task, answer_budget
 
 
 class EpisodeConfig(BaseModel):
@@ -196,7 +196,9 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
     reward, won, finish = 0.0, False, "max_turns"
     for turn in range(config.max_turns):
         start = conv.end
-        tokens, closed = await conv.assistant(config.max_new_tokens)
+        bound = answer_budget(env)
+        tokens, closed = await conv.assistant(config.max_new_tokens if bound is None
+                                              else min(bound, config.max_new_tokens))
         action = renderer.action_text(tokens)
         result = await call(env.step, action)
         reward += result.reward

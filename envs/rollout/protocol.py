@@ -3,7 +3,8 @@
 Text in, text out, gym-like: ``reset(task) -> first observation``, ``step(action) ->
 (observation, reward, done, info)``. Tasks come from a ``TaskSet`` with train/eval
 splits; ``expert_action`` (optional) returns a correct next action for SFT data and
-tests.
+tests. An environment may also bound the length of the next assistant message
+(``answer_budget``): the agent loop reads it before each turn.
 """
 
 from __future__ import annotations
@@ -38,6 +39,18 @@ class Environment(Protocol):
     def expert_action(self) -> str | None: ...
 
     def close(self) -> None: ...
+
+
+def answer_budget(env: Environment) -> int | None:
+    """The most tokens the next assistant message may take, where the environment bounds it: an optional
+    ``max_new_tokens() -> int | None`` method (e.g. an answer-length budget per turn, or a replay of recorded
+    episodes whose turns must have their recorded lengths). None: no bound of its own (the episode
+    config's ``max_new_tokens`` applies; a bound from the environment can only lower it)."""
+    bound = getattr(env, "max_new_tokens", None)
+    n = bound() if callable(bound) else None
+    if n is not None and n < 1:
+        raise ValueError(f"{type(env).__name__}.max_new_tokens() must be >= 1 or None, got {n}")
+    return n
 
 
 @runtime_checkable

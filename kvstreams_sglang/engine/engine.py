@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import operator
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -66,6 +68,18 @@ class EngineStats:
         return self.tokens_prefilled + self.tokens_decoded + self.tokens_reprefilled_on_update - self.tokens_in_streams
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """One scheduler step, as an ``Engine.on_step`` observer sees it (benchmarks time steps with it)."""
+
+    mode: Literal["extend", "decode"]
+    streams: int  # streams whose tokens the step computed
+    tokens: int  # tokens computed
+    seconds: float  # wall time (a step that samples ends by copying its tokens to the host: device time too)
+    live_slots: int  # KV slots in use after the step
+    max_stream_slots: int  # the most KV slots one of the step's streams holds after it
+
+
 @dataclass
 class _Request:
     sid: int
@@ -103,17 +117,22 @@ class _Undo:
 
 
 class Engine:
+    """``model_path`` loads a checkpoint; ``model=`` runs an already-loaded Hugging Face model instead (several
+    engines, e.g. with different pools, can share one). ``on_step`` is called after every scheduler step with
+    its ``StepInfo``."""
+
     @classmethod
-    def from_config(cls, model_path: str, config: EngineConfig, *, device="cpu", dtype: torch.dtype | None = None,
-                    **kw) -> Engine:
+    def from_config(cls, model_path: str | None, config: EngineConfig, *, device="cpu",
+                    dtype: torch.dtype | None = None, **kw) -> Engine:
         """An engine with ``config``'s settings (the harness's ``[inference]`` section is one)."""
         fields = {k: getattr(config, k) for k in EngineConfig.model_fields}
         return cls(model_path, device=device, dtype=dtype, **fields, **kw)
 
-    def __init__(self, model_path: str, *, kv_dtype: Literal["bf16", "kv4rl"] = "bf16", device="cpu",
-                 dtype: torch.dtype | None = None, kv_slots: int = 65536, max_streams: int = 256,
+    def __init__(self, model_path: str | None = None, *, model=None, kv_dtype: Literal["bf16", "kv4rl"] = "bf16",
+                 device="cpu", dtype: torch.dtype | None = None, kv_slots: int = 65536, max_streams: int = 256,
                  sink: int = 16, recent: int = 128, max_prefill_tokens: int = 16384,
-                 max_context: int | None = None, batch_invariant: bool = False):
+                 max_context: int | None = None, batch_invariant: bool = False,
+                 on_step: Callable[[StepInfo], None] | None = None):
         try:  # the settings' one validation (the same as a run's [inference] section gets)
             EngineConfig(kv_dtype=kv_dtype, kv_slots=kv_slots, max_streams=max_streams, sink=sink, recent=recent,
                          max_prefill_tokens=max_prefill_tokens, max_context=max_context,
@@ -121,7 +140,8 @@ class Engine:
         except ValidationError as e:
             raise ValueError(f"Engine: {'; '.join(err['msg'] for err in e.errors())}") from None
         self.device = torch.device(device)
-        self.runner = ModelRunner(model_path, device=self.device, dtype=dtype, batch_invariant=batch_invariant)
+        self.runner = ModelRunner(model_path, model=model, device=self.device, dtype=dtype,
+                                  batch_invariant=batch_invariant)
         r = self.runner
         self.kv_dtype = kv_dtype
         if kv_dtype == "kv4rl":
@@ -142,6 +162,7 @@ class Engine:
         self.stats = EngineStats()
         self._requests: dict[int, _Request] = {}
         self._loop_task: asyncio.Task | None = None
+        self.on_step = on_step
 
     # ---- stream verbs ----
     def open_stream(self, stream: list[int] | StreamLedger) -> int:
@@ -409,6 +430,7 @@ class Engine:
         anything raises, undo it: the new slots are freed, the slot-table rows cut back and the
         INT8 side entries the step overwrote restored, so the pool, the tables and the ledgers are
         as before (the freed slots' bytes are not: no stream owns them)."""
+        t0 = time.perf_counter()
         rows = [p.stream.row for p in plan]
         undo = _Undo(rows, [self.slot_table.lengths[row] for row in rows])
         try:
@@ -441,6 +463,9 @@ class Engine:
         self.stats.tokens_in_streams += n_new
         self.stats.steps += 1
         self._update_slot_stats()
+        if self.on_step is not None:
+            self.on_step(StepInfo(mode, len(items), n_new, time.perf_counter() - t0, self.stats.live_slots,
+                                  max(len(it.stream.slots) for it in items)))
 
     def _sample(self, plan: list[_Planned], logits: torch.Tensor) -> dict[int, tuple[int, float]]:
         """Token and logprob of every request of ``plan`` that samples (by its index in ``plan``)."""

@@ -31,15 +31,28 @@ def load_model(model_path: str, *, device, dtype: torch.dtype | None):
     return model, config
 
 
+def adopt_model(model, *, device):
+    """An already-loaded model, run with our attention (``register``): it must sit on ``device``."""
+    where = next(model.parameters()).device
+    if where.type != torch.device(device).type:
+        raise ValueError(f"the model is on {where}, the engine on {device}")
+    model.set_attn_implementation(register())
+    return model.eval(), model.config
+
+
 class ModelRunner:
     """``batch_invariant``: matmuls and norm reductions through ``kernels.batch_invariant`` (the
     trainer's scoring with ``impl="invariant"`` does the same), so a token's hidden states do not
-    depend on what else the step computes."""
+    depend on what else the step computes. ``model``: an already-loaded model instead of ``model_path``."""
 
-    def __init__(self, model_path: str, *, device, dtype: torch.dtype | None = None, batch_invariant: bool = False):
+    def __init__(self, model_path: str | None, *, device, dtype: torch.dtype | None = None,
+                 batch_invariant: bool = False, model=None):
         self.device = torch.device(device)
         self.batch_invariant = batch_invariant
-        self.model, self.config = load_model(model_path, device=self.device, dtype=dtype)
+        if (model_path is None) == (model is None):
+            raise ValueError("give exactly one of model_path and model")
+        self.model, self.config = (load_model(model_path, device=self.device, dtype=dtype) if model is None
+                                   else adopt_model(model, device=self.device))
         self.dtype = next(self.model.parameters()).dtype
         text = self.config.get_text_config() if hasattr(self.config, "get_text_config") else self.config
         self.num_layers = text.num_hidden_layers

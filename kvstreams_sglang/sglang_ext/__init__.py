@@ -14,8 +14,9 @@ Nothing of SGLang is vendored. The pieces:
 - ``backend.KV4RLAttnBackend``: the ``kv4rl`` attention backend (our kernels / their references).
 - ``patches.install``: the hooks SGLang has no extension point for, installed inside the
   scheduler process by ``scheduler.run_scheduler_process``.
-- ``engine.KVStreamsEngine`` (offline), ``http_routes`` + ``kvstreams_sglang.launch_server``
-  (HTTP), ``client`` (the harness's ``EngineClient`` over either).
+- ``engine.KVStreamsEngine`` (offline) and ``kvstreams_sglang.launch_server`` (HTTP).
+- ``client.SGLangClient`` (sessions, in place) and ``plain_client.PlainClient`` (a stock server: the whole context
+  every turn, ``execution = "reprefill"``): the agent loop's ``EngineClient`` over HTTP.
 
 Importing this package does not import SGLang; the modules above do.
 """

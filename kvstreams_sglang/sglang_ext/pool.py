@@ -28,7 +28,7 @@ class KV4TokenToKVPool(MHATokenToKVPool):
     def _create_buffers(self):
         # slot 0 stays the padding slot SGLang writes dummy tokens to, as in the parent
         slots = self.size + self.page_size
-        side = max(1, self.num_rows * (self.sink + self.recent))
+        side = max(1, (self.num_rows + 1) * (self.sink + self.recent))  # request rows are 1..num_rows (row 0 pads)
         self.layers = [KV4LayerCache.empty(slots, side, self.head_num, self.head_dim, device=self.device)
                        for _ in range(self.layer_num)]
         self.slot_positions = torch.zeros(slots, dtype=torch.int32, device=self.device)
@@ -64,5 +64,6 @@ class KV4TokenToKVPool(MHATokenToKVPool):
     @staticmethod
     def side_bytes(num_rows: int, num_layers: int, num_kv_heads: int, head_dim: int, *, sink: int,
                    recent: int) -> int:
-        """The INT8 side cache: ``sink + recent`` positions per request row."""
-        return num_rows * (sink + recent) * KV4Pool.side_bytes_per_token(num_layers, num_kv_heads, head_dim)
+        """The INT8 side cache: ``sink + recent`` positions per request row. SGLang's ``ReqToTokenPool`` of size
+        ``num_rows`` hands out rows ``1..num_rows`` (row 0 is its padding row), so row indices reach ``num_rows``."""
+        return (num_rows + 1) * (sink + recent) * KV4Pool.side_bytes_per_token(num_layers, num_kv_heads, head_dim)

@@ -1,0 +1,292 @@
+"""The SGLang rollout bench (``bench.rollout_sglang``) and what it stands on, on the CPU.
+
+- Recorded episodes replayed through the real agent loop (``bench.replay``) have their recorded turn lengths.
+- ``PlainClient`` against a stock CPU SGLang server re-prefills: ``cached_tokens`` grows turn by turn, and after a
+  compaction the new request recomputes the kept tokens the radix cache no longer shares, and counts them.
+- The bench's metric extraction (log lines, ``/metrics``, GPU-seconds, targets) on a tiny run of two
+  configurations: a stock server (re-prefill) and ours (``--enable-kv-streams``, in place).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.replay import (
+    SYSTEM_PROMPT,
+    EpisodeSpec,
+    Gate,
+    LedgerClient,
+    Replay,
+    ReplayEnvironment,
+    Template,
+    episode_peaks,
+    run_replay,
+)
+from envs.rollout.compaction import CompactionConfig
+
+TESTS = Path(__file__).parent
+sys.path.insert(0, str(TESTS))
+from ports import free_port  # noqa: E402
+
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+
+
+def renderer_of(path):
+    from transformers import AutoTokenizer
+
+    from envs.rollout.chat import ChatRenderer
+
+    return ChatRenderer(AutoTokenizer.from_pretrained(path), SYSTEM_PROMPT)
+
+
+@pytest.fixture(scope="module")
+def wide_vocab_model(tmp_path_factory):
+    """Tiny model with Qwen3's 152k embedding rows: a random model then samples the end-of-turn token about once
+    in 150k tokens, so every message runs to its bound (and ids past the byte tokenizer come out)."""
+    from kvstreams_sglang.checkpoints import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("wide"), vocab_rows=151936)
+
+
+SPECS = [EpisodeSpec(120, ((6, 40), (9, 35), (5, 50), (7, 0))), EpisodeSpec(100, ((4, 30), (8, 0)))]
+
+
+@pytest.mark.parametrize("strategy", ["sliding_window", "full_context"])
+def test_replayed_episodes_have_their_recorded_turn_lengths(wide_vocab_model, strategy):
+    from envs.rollout.client import BuiltinClient
+    from kvstreams_sglang.engine import Engine
+
+    renderer = renderer_of(wide_vocab_model)
+    comp = CompactionConfig(strategy=strategy, max_turns=2, stride=1)
+    engine = Engine(str(wide_vocab_model), max_tokens=4096, max_streams=4)
+    reserved = episode_peaks(SPECS, renderer, comp)
+    done = asyncio.run(run_replay(BuiltinClient(engine), enumerate(SPECS), Replay(renderer, comp), Gate(4096, 2),
+                                  reservations=dict(enumerate(reserved))))
+    header = len(renderer.assistant_header())
+    for spec, fin in zip(SPECS, done, strict=True):
+        ep, (record,) = fin.episode, fin.episode.records  # kv_streams: one stream per episode
+        assert not fin.truncated and ep.finish_reason == "done" and ep.stats.turns == len(spec.turns)
+        assert len(record.token_ids) == spec.total
+        # a turn span = its assistant header + message + separator + observation: the recorded action + obs
+        spans = [b - a for _, (a, b) in ep.turn_spans]
+        assert spans == [a + o for a, o in spec.turns[:-1]]
+        assert ep.turn_spans[0][1][0] == spec.first - header
+        # every message ran to its recorded length (the end-of-turn token is appended after it, but the last)
+        assert ep.stats.tokens_generated == spec.generated == sum(s == "model" for s in record.sources)
+        assert ep.stats.tokens_reprefilled == 0
+        assert ep.stats.peak_live_tokens <= fin.reserved
+        if strategy == "sliding_window":
+            assert ep.stats.compactions == max(0, len(spec.turns) - 2)
+    assert engine.stats.tokens_reprefilled == 0
+
+
+def test_replay_environment_refuses_pieces_shorter_than_the_template(tiny_model_path):
+    template = Template.of(renderer_of(tiny_model_path))
+    with pytest.raises(ValueError, match="observation"):
+        ReplayEnvironment(EpisodeSpec(200, ((5, template.obs - 1), (5, 0))), template)
+    env = ReplayEnvironment(EpisodeSpec(200, ((5, 40), (6, 0))), template, stop=lambda: True)
+    env.reset(None)
+    assert env.max_new_tokens() == 4  # the loop appends the end-of-turn token
+    assert env.step("x").done and env.truncated
+
+
+def test_ledger_client_peak_is_what_the_engine_holds(tiny_model_path):
+    """The model-free sizing pass and a real engine agree: the reservation bounds the engine's live tokens."""
+    renderer = renderer_of(tiny_model_path)
+    comp = CompactionConfig(strategy="sliding_window", max_turns=2, stride=1)
+    client = LedgerClient()
+    asyncio.run(run_replay(client, enumerate(SPECS[:1]), Replay(renderer, comp), Gate(10_000, 1),
+                           reservations={0: 0}))
+    assert client.peak == episode_peaks(SPECS[:1], renderer, comp)[0] > 0
+
+
+def test_action_text_tolerates_ids_past_the_tokenizer(tiny_model_path):
+    """A random checkpoint with Qwen3's 152k embedding rows samples ids the byte tokenizer (259 tokens) lacks."""
+    renderer = renderer_of(tiny_model_path)
+    assert renderer.action_text([72, 105, 300, 151000, 5000]) == "Hi"
+
+
+# ---- the bench's metric extraction (no server) ----
+
+LOG = "\n".join([
+    "[2026-12-02 08:18:19] Prefill batch, #new-seq: 7, #new-token: 1272, #cached-token: 0, token usage: 0.29, "
+    "#running-req: 1, #queue-req: 2, #pending-token: 0, cuda graph: False, input throughput (token/s): 12.0",
+    "[2026-12-02 08:18:21] Decode batch, #running-req: 8, #token: 1205, token usage: 0.39, cuda graph: True, "
+    "gen throughput (token/s): 800.00, #queue-req: 0",
+    "[2026-12-02 08:18:22] Prefill batch, #new-seq: 1, #new-token: 28, #cached-token: 1095, token usage: 0.32, "
+    "#running-req: 8, #queue-req: 0, #pending-token: 0, cuda graph: False, input throughput (token/s): 10.5",
+    "[2026-12-02 08:18:23] Decode batch, #running-req: 6, #token: 1400, token usage: 0.45, cuda graph: True, "
+    "gen throughput (token/s): 400.00, #queue-req: 0"])
+METRICS = """\
+# HELP sglang:forward_execution_seconds_total Total time that GPU is busy
+sglang:forward_execution_seconds_total{category="extend",model_name="m"} %s
+sglang:forward_execution_seconds_total{category="decode",model_name="m"} %s
+sglang:kv_cache_memory_usage_gb{engine_type="unified"} 7.5
+"""
+
+
+def test_step_profile_from_the_scheduler_log_and_metrics():
+    from bench.rollout_sglang import step_profile
+    from bench.sglang_servers import metric_total, parse_metrics, prefill_lines
+
+    assert [(x.seqs, x.new_tokens, x.cached_tokens, x.queued) for x in prefill_lines(LOG)] == [(7, 1272, 0, 2),
+                                                                                             (1, 28, 1095, 0)]
+    m0, m1 = parse_metrics(METRICS % (1.0, 2.0)), parse_metrics(METRICS % (1.5, 3.2))
+    assert metric_total(m1, "sglang:kv_cache_memory_usage_gb") == 7.5
+    p = step_profile(LOG, m0, m1, window_s=2.0)
+    assert p["prefill"]["steps"] == 2 and p["prefill"]["tokens"] == 1300 and p["prefill"]["cached_tokens"] == 1095
+    assert p["prefill"]["gpu_s"] == pytest.approx(0.5) and p["prefill"]["ms_per_step"] == pytest.approx(250.0)
+    # two decode lines, one every 10 steps (sglang_servers.COMMON): 20 steps in 1.2 s of device time
+    assert p["decode"]["steps"] == 20 and p["decode"]["ms_per_step"] == pytest.approx(60.0)
+    assert p["decode"]["mean_batch"] == 7 and p["decode"]["cuda_graph"] is True
+    assert p["decode"]["ms_per_step_log"] == pytest.approx(12.5)  # median of 8/800 s and 6/400 s
+    assert p["kv_tokens_server"] == dict(peak=1400, mean=1302.5)
+    assert p["gpu_busy_s"] == pytest.approx(1.7) and p["prefill_share_of_busy"] == pytest.approx(0.5 / 1.7)
+    # no device timer (a CPU server): the log alone
+    assert step_profile(LOG, [], [], 2.0)["decode"]["ms_per_step"] is None
+
+
+def run_row(config, strategy, eps_per_s, reprefilled=0, execution=None):
+    prof = dict(decode=dict(ms_per_step=10.0, ms_per_step_log=11.0, mean_batch=40, steps=100, cuda_graph=True),
+                prefill=dict(ms_per_step=30.0, steps=10))
+    return dict(config=config, strategy=strategy, episodes_per_s=eps_per_s, reprefilled_tokens=reprefilled,
+                execution=execution or ("reprefill" if config.startswith("stock") else "kv_streams"),
+                concurrency=dict(mean_admitted=40, limited_by="kv"), step_profile=prof,
+                prefill_tokens_computed_per_episode=900, reprefilled_tokens_per_episode=reprefilled / 10,
+                output_tokens_per_s=eps_per_s * 50)
+
+
+def test_targets_say_what_was_met_and_where_the_time_goes():
+    from bench.rollout_sglang import targets
+
+    runs = [run_row("stock_bf16", "sliding_window", 1.0, 5000), run_row("stock_fp8", "sliding_window", 1.5, 5000),
+            run_row("streams_bf16", "sliding_window", 1.2), run_row("streams_kv4rl", "sliding_window", 2.5),
+            run_row("kv4rl_full", "full_context", 0.8)]
+    by = {t["target"]: t for t in targets(runs)}
+    three = by["config 4 >= 3x config 1 in episodes per GPU-second (Sliding Window)"]
+    assert three["ratio"] == pytest.approx(2.5) and three["met"] is False
+    assert set(three["where_the_time_goes"]) == {"streams_kv4rl", "stock_bf16"}
+    assert three["where_the_time_goes"]["stock_bf16"]["decode_ms_per_step"] == 10.0
+    assert by["config 3 > config 1 (sliding_window)"]["met"] is True
+    assert by["config 4 >= 2x config 2 (sliding_window)"]["ratio"] == pytest.approx(2.5 / 1.5)
+    assert by["0 re-prefilled tokens in configs 3-5 while memory suffices"]["met"] is True
+    runs[2]["reprefilled_tokens"] = 3
+    assert targets(runs)[-1]["met"] is False
+
+
+# ---- on CPU SGLang servers ----
+
+pytestmark_sglang = pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed (make sglang-cpu)")
+CPU_ARGS = ["--device", "cpu", "--configs", "stock_bf16,streams_bf16", "--strategies", "sliding_window",
+            "--warmup", "2", "--duration", "12", "--episodes", "60", "--length-scale", "0.15", "--max-turns", "5",
+            "--window", "2", "--sizing-workers", "0", "--max-running-requests", "16", "--free-rows", "2",
+            "--max-total-tokens", "2048", "--budget-s", "600"]
+
+
+@pytest.fixture(scope="module")
+def cpu_servers(tiny_model_path, tmp_path_factory):
+    """A stock SGLang server and ours (``--enable-kv-streams``, bf16) on the tiny model, started side by side."""
+    from bench.rollout_sglang import SETUPS, parse_args, server_for
+
+    out = tmp_path_factory.mktemp("rollout_sglang")
+    a = parse_args(["--model", str(tiny_model_path), "--out", str(out / "out.json"), *CPU_ARGS])
+    servers = {name: server_for(SETUPS[name], a, free_port(), out / "logs").launch() for name in a.configs}
+    try:
+        for s in servers.values():
+            s.wait_ready(600)
+        yield a, servers
+    finally:
+        for s in servers.values():
+            s.stop()
+
+
+@pytestmark_sglang
+def test_plain_client_reprefills_the_kept_tokens_after_a_compaction(cpu_servers):
+    from kvstreams_sglang.engine import SamplingParams
+    from kvstreams_sglang.sglang_ext.plain_client import PlainClient
+
+    _, servers = cpu_servers
+    prompt = [(11 * i + 5) % 250 for i in range(60)]
+    obs = [(7 * i + 3) % 250 for i in range(15)]
+    params = SamplingParams(max_new_tokens=4, temperature=0.0)
+
+    async def go():
+        c = PlainClient(servers["stock_bf16"].url)
+        sid = await c.open(prompt)
+        first = await c.generate(sid, params)
+        s1 = dict(c.stats)
+        await c.append(sid, obs)
+        await c.generate(sid, params)
+        s2 = dict(c.stats)
+        ledger = c.ledger(sid)
+        # a compaction that drops prompt tokens [20, 60): the kept tokens go as a new request
+        kept = [p for p in range(ledger.end) if not 20 <= p < 60]
+        old = await c.close(sid)
+        sid = await c.open(ledger.reopen(kept))
+        await c.generate(sid, params)
+        s3 = dict(c.stats)
+        new = await c.close(sid)
+        await c.aclose()
+        with pytest.raises(NotImplementedError, match="reprefill"):
+            await c.evict(0, [(0, 1)])
+        return first, s1, s2, s3, old, new, len(kept)
+
+    first, s1, s2, s3, old, new, n_kept = asyncio.run(go())
+    assert s1["prompt_tokens"] == 60 and s1["computed_tokens"] == 60 - s1["cached_tokens"]
+    # the second turn finds the whole first one cached: its prompt and its sampled tokens (the last one's KV too
+    # where the overlap scheduler computed it a step ahead)
+    turn2 = 60 + len(first.token_ids) + len(obs)
+    turn2_cached = s2["cached_tokens"] - s1["cached_tokens"]
+    assert turn2_cached in (60 + len(first.token_ids) - 1, 60 + len(first.token_ids))
+    assert s2["computed_tokens"] - s1["computed_tokens"] == turn2 - turn2_cached and s2["cached_tokens_lost"] == 0
+    # after the compaction the cache shares only the prefix before the first dropped token: the other kept
+    # tokens, computed before, are computed again
+    assert s3["reopened"] == 1 and s3["reopen_cached_tokens"] == 20
+    assert s3["computed_tokens"] - s2["computed_tokens"] == n_kept - 20
+    assert old.meta["server"]["turns"] == 2 and not old.meta["server"]["reopened"]
+    assert new.meta["server"] == dict(reopened=True, turns=1, prompt_tokens=n_kept, cached_tokens=20,
+                                      computed_tokens=n_kept - 20, cached_tokens_lost=0, first_cached_tokens=20)
+    assert new.meta["engine"] == "sglang-stock"
+
+
+@pytestmark_sglang
+def test_bench_measures_two_cpu_servers(cpu_servers):
+    import json
+
+    from bench.rollout_sglang import rollouts
+
+    a, servers = cpu_servers
+    result = rollouts(a, CPU_ARGS, servers=servers)
+    assert json.loads(a.out.read_text())["runs"] == json.loads(json.dumps(result["runs"], default=str))
+    assert a.out.with_suffix(".png").stat().st_size > 1000
+    runs = {r["config"]: r for r in result["runs"]}
+    assert set(runs) == {"stock_bf16", "streams_bf16"}
+    for name, r in runs.items():
+        assert r["episodes_failed"] == 0 and not r["hung"], r["first_failure"]
+        assert r["output_tokens"] > 0 and r["window_s"] >= 11.5
+        prof = r["step_profile"]
+        assert prof["prefill"]["steps"] > 0 and prof["prefill"]["tokens"] == r["prefill_tokens_computed"] > 0
+        assert prof["prefill"]["gpu_s"] is None  # no device timer on a CPU
+        if r["episodes_completed"]:
+            assert r["gpu_s_per_100_episodes"] == pytest.approx(100 * r["window_s"] / r["episodes_completed"])
+        assert r["concurrency"]["limited_by"] in ("kv", "batch")
+        assert 0 < r["kv"]["resident_peak_tokens"] <= r["concurrency"]["capacity_tokens"]
+        assert r["kv"]["resident_peak_bytes"] == r["kv"]["resident_peak_tokens"] * r["kv"]["bytes_per_token"]
+        assert result["servers"][name]["pool_tokens"] == 2048
+    stock, ours = runs["stock_bf16"], runs["streams_bf16"]
+    assert ours["reprefilled_tokens"] == 0 and ours["client"]["stats"]["cached_tokens_lost"] == 0
+    # stock: every turn's whole context goes to the server, the radix cache returns most of it
+    assert stock["client"]["stats"]["cached_tokens"] > stock["client"]["stats"]["computed_tokens"]
+    assert stock["step_profile"]["prefill"]["cached_tokens"] > 0 == ours["step_profile"]["prefill"]["cached_tokens"]
+    if stock["episodes_completed"]:  # window 2: episodes of 3+ turns were compacted, kept tokens recomputed
+        d = stock["reprefill_detail"]
+        assert stock["reprefilled_tokens"] == d["kept_computed_tokens_reopened"] - d["still_cached_at_reopen"] > 0
+    kinds = {t["target"].split(" (")[0] for t in result["targets"]}
+    assert "config 3 > config 1" in kinds and "0 re-prefilled tokens in configs 3-5 while memory suffices" in kinds
+    three_vs_one = next(t for t in result["targets"] if t["target"].startswith("config 3 > config 1"))
+    assert three_vs_one["met"] in (True, False)
