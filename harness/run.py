@@ -42,9 +42,14 @@ from .trainer import Trainer, TrainSample, init_distributed
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto`` / ``cpu`` / ``cuda[:N]`` as a device with an index on CUDA (``torch.cuda.set_device`` and the
+    per-thread device guards need one; a bare ``cuda`` means the current device)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
