@@ -32,6 +32,7 @@ sys.path.insert(0, str(TESTS))
 import sglang_graph_step as graph_steps  # noqa: E402
 import sglang_session as script  # noqa: E402
 from ports import free_port  # noqa: E402
+from server_ready import wait_ready  # noqa: E402
 
 
 def sglang_env() -> dict:
@@ -309,23 +310,6 @@ def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):
         assert s["caches_equal"] and s["row0_side_untouched"], s
 
 
-def wait_ready(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
-    import time
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise AssertionError(f"SGLang server exited ({server.returncode}):\n{log.read_text()[-6000:]}")
-        try:
-            with urllib.request.urlopen(url + "/get_model_info", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"SGLang server not ready after {timeout_s}s:\n{log.read_text()[-6000:]}")
-
-
 @pytest.fixture(scope="module")
 def kv4rl_server(tiny_model_path, tmp_path_factory):
     """A ``--kv4rl --enable-kv-streams`` SGLang HTTP server on the tiny model (its URL), shared by the tests below."""
@@ -535,6 +519,28 @@ def test_s3_token_ids_outside_the_vocabulary_are_refused(kv4rl_server, tiny_mode
     for status, body in answers:
         assert status == 400 and f"must be token ids in [0, {vocab})" in json.dumps(body), (status, body)
     assert after == before and meta["cached_tokens"] == before["live_tokens"] and stats["cached_tokens_lost"] == 0
+    assert_serves_and_pool_whole(kv4rl_server)
+
+
+def test_evict_refuses_spans_that_are_not_integer_pairs(kv4rl_server):
+    """Issue 25's m1 over HTTP: spans of floats, strings, booleans or the wrong arity answer 400 with the reason (they
+    were truncated, or turned into ints by the route's lax parsing) and change nothing."""
+    from kvstreams_sglang.engine import SamplingParams
+
+    async def episode(c):
+        sid = await c.open(script.PROMPT)
+        await c.generate(sid, SamplingParams(max_new_tokens=6, temperature=0.0))
+        before = await c._post("/kvstreams/session_info", dict(session_id=c.session_id(sid)))
+        answers = [post(kv4rl_server, "/kvstreams/evict", dict(session_id=c.session_id(sid), spans=spans))
+                   for spans in ([[1.7, 2.2]], [[2.0, 3.0]], [["3", "4"]], [[True, 2]], [[1, 2, 3]], [5])]
+        after = await c._post("/kvstreams/session_info", dict(session_id=c.session_id(sid)))
+        await c.close(sid)
+        return answers, before, after
+
+    (answers, before, after), _ = run_client(kv4rl_server, episode)
+    for status, body in answers:
+        assert status == 400 and "pairs of integers" in json.dumps(body), (status, body)
+    assert after == before
     assert_serves_and_pool_whole(kv4rl_server)
 
 

@@ -23,7 +23,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +37,7 @@ ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
 import sglang_graph_step as graph_steps  # noqa: E402
 from ports import free_port  # noqa: E402
+from server_ready import wait_ready  # noqa: E402
 
 MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "1024", "--num-heads", "16", "--num-kv-heads", "4",
                "--head-dim", "128", "--dtype", "bfloat16"]
@@ -125,7 +125,7 @@ def server(model_path, tmp_path_factory):
                                 stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, log)
+        wait_ready(url, proc, log, timeout_s=420)
         yield url, log
     finally:
         proc.terminate()
@@ -136,22 +136,6 @@ def server(model_path, tmp_path_factory):
         out = os.environ.get("OUT")
         if out:  # the device script keeps the server log
             (Path(out) / "sglang_gpu_server.log").write_text(log.read_text()[-2_000_000:])
-
-
-def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 420) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"SGLang server exited ({proc.returncode}):\n{log.read_text()[-8000:]}")
-        try:
-            with urllib.request.urlopen(url + "/get_model_info", timeout=5) as resp:
-                if resp.status == 200:
-                    return
-        except OSError:
-            time.sleep(1)
-    raise AssertionError(f"SGLang server not ready after {timeout_s}s:\n{log.read_text()[-8000:]}")
 
 
 async def sglang_rounds(url: str, model_path: Path) -> dict:

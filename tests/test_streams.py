@@ -47,6 +47,8 @@ def test_eviction_keeps_original_positions_and_new_tokens_continue():
         ([(2, 3)], "already evicted"),
         ([(9, 11)], "pending"),
         (["ab"], "pairs"),
+        ([(1.7, 2.2)], "pairs"),
+        ([(True, 2)], "pairs"),
     ],
 )
 def test_invalid_evict_raises_and_changes_nothing(spans, match):

@@ -43,6 +43,8 @@ class Eviction:
 def _as_span(span) -> Span:
     try:
         start, end = span
+        if isinstance(start, bool) or isinstance(end, bool):
+            raise TypeError
         return operator.index(start), operator.index(end)  # ints only: 1.7 is refused, not truncated
     except (TypeError, ValueError):
         raise EvictionError(f"spans must be [start, end) pairs of integers, got {span!r}") from None

@@ -5,18 +5,15 @@
 #   bash bench/device/rollout_check.sh concentration  # ~3.5 min: waves vs refill, long-tailed episodes, one server
 # Needs the SGLang bundle at .device_sgl (bash ../shared/device/sglang_bundle.sh .device_sgl; carry .device_sgl).
 # A fresh machine compiles FlashInfer's kernels on first use (2-4 min; fp8 KV has its own) and our Triton kernels:
-# both caches come back as $OUT/jit_cache.tar.xz; put it at .device_sgl/jit_cache.tar.xz and it is unpacked before
-# the servers start (on a fresh machine run `quick` first, then `full` with the cache carried).
+# both caches come back as $OUT/jit_cache.tar.xz; carry it as .devcache/jit_cache.tar.xz (bench/device/bundle.sh
+# unpacks it before the servers start; on a fresh machine run `quick` first, then `full` with the cache carried).
 # Results in $OUT (or bench/results/check): the JSON, its PNG and the servers' logs (server_logs.tar.xz).
 set -o pipefail
 OUT=${OUT:-bench/results/check}
 MODE=${1:-full}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-mkdir -p /tmp/site && tar -xJf .device_sgl/site.tar.xz -C /tmp/site && \
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .device_sgl/tf/*.whl && \
-export PYTHONPATH=/tmp/site:$PWD || exit 1
-export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-[ -f .device_sgl/jit_cache.tar.xz ] && tar -xJf .device_sgl/jit_cache.tar.xz -C ~
+source bench/device/bundle.sh || exit 1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 MODEL=/tmp/qwen3-4b
 [ -f $MODEL/config.json ] || python3 -m kvstreams_sglang.checkpoints $MODEL --shape qwen3-4b --dtype bfloat16 \

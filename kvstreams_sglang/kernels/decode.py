@@ -54,7 +54,7 @@ from ..kv4.hadamard import hadamard_matrix
 from . import decode_cuda
 from .decode_cuda import CachePointers, CudaDecodeKernel, CudaDecodeVariant, Launcher, StepPointers
 from .quantize import int8_codes, rotate_halves_sylvester
-from .tiles import int4_load_w, int4_math_w, int8_tile
+from .tiles import int4_load_w, int4_math_w, int8_region
 
 LOG2E = 1.4426950408889634
 FP16_MAGIC = 0x64006400  # two fp16 1024.0: the nibble-to-fp16 bit trick (tiles.nibbles_centred_fp16)
@@ -164,16 +164,9 @@ def _decode_kernel(
         acc_hi += acc_off[:, None]
     else:
         # ---- INT8 side region: sink and recent positions ----
-        start = tl.load(SideIndptr + b)
-        length = tl.load(SideIndptr + b + 1) - start
-        qs = sq * sm_scale_log2
-        for n0 in range(0, length, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < length
-            slot = tl.load(SideIndices + start + n, mask=nmask, other=0).to(tl.int64)
-            m_i, l_i, acc_lo, acc_hi = int8_tile(
-                q_lo, q_hi, qs, m_i, l_i, acc_lo, acc_hi, slot, nmask, hk,
-                KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, HALF)
+        m_i, l_i, acc_lo, acc_hi = int8_region(
+            q_lo, q_hi, sq * sm_scale_log2, m_i, l_i, acc_lo, acc_hi, SideIndptr, SideIndices, b, hk,
+            KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, BLOCK_N, HALF)
 
     # An empty chunk leaves l_i = 0: it writes out = 0 and lse = -inf, which the merge ignores.
     PARTS: tl.constexpr = NUM_SPLITS + 1

@@ -17,7 +17,7 @@ import triton.language as tl
 from ..kv4.cache import KV4LayerCache
 from .decode import LOG2E
 from .quantize import kv4_quantize_query
-from .tiles import int4_tile, int8_tile, online_update
+from .tiles import int4_tile, int8_region, online_update
 
 
 @triton.jit
@@ -72,15 +72,9 @@ def _extend_kernel(
     acc_hi += acc_off[:, None]
 
     # ---- INT8 prefix ----
-    start = tl.load(SideIndptr + b)
-    length = tl.load(SideIndptr + b + 1) - start
-    for n0 in range(0, length, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < length
-        slot = tl.load(SideIndices + start + n, mask=nmask, other=0).to(tl.int64)
-        m_i, l_i, acc_lo, acc_hi = int8_tile(
-            q8_lo, q8_hi, qs, m_i, l_i, acc_lo, acc_hi, slot, nmask, hk,
-            KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, HALF)
+    m_i, l_i, acc_lo, acc_hi = int8_region(
+        q8_lo, q8_hi, qs, m_i, l_i, acc_lo, acc_hi, SideIndptr, SideIndices, b, hk,
+        KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, BLOCK_N, HALF)
 
     # ---- new tokens, full precision, causal ----
     q_ptr = Q + t[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :]

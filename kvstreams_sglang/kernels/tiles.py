@@ -94,6 +94,24 @@ def int8_tile(q_lo, q_hi, qs, m_i, l_i, acc_lo, acc_hi, slot, nmask, hk,
     return m_i, l_i, acc_lo, acc_hi
 
 
+@triton.jit
+def int8_region(q_lo, q_hi, qs, m_i, l_i, acc_lo, acc_hi, SideIndptr, SideIndices, b, hk,
+                KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch,
+                BLOCK_N: tl.constexpr, HALF: tl.constexpr):
+    """Request ``b``'s whole INT8 side region (its sink and recent positions, CSR list ``SideIndices``),
+    ``BLOCK_N`` side slots at a time, into the online-softmax state."""
+    start = tl.load(SideIndptr + b)
+    length = tl.load(SideIndptr + b + 1) - start
+    for n0 in range(0, length, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        nmask = n < length
+        slot = tl.load(SideIndices + start + n, mask=nmask, other=0).to(tl.int64)
+        m_i, l_i, acc_lo, acc_hi = int8_tile(
+            q_lo, q_hi, qs, m_i, l_i, acc_lo, acc_hi, slot, nmask, hk,
+            KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, HALF)
+    return m_i, l_i, acc_lo, acc_hi
+
+
 # ---- Decode fast path (v3): word-wide nibble unpack, one 32-bit meta load per vector ----
 # Triton unpacks a uint8 tile one byte per 32-bit register (AND, SHIFT, then PRMT to repack: ~800 of
 # the ~1440 instructions of a 128-token tile in v2). On the GPU the helpers below instead run one

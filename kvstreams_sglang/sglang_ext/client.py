@@ -26,7 +26,6 @@ each client carries out with its transport.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Generator
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ from trainer_masks import StreamLedger
 from ..engine.engine import Generation
 from ..engine.sampling import SamplingParams
 from . import STREAM_EVICTED
+from .http_client import JsonPoster
 
 MAX_RESTORES = 8  # restores of one turn before giving up (each one evicted again before it finished)
 
@@ -100,6 +100,20 @@ def _evicted(out: dict) -> bool:
     return reason.get("type") == "abort" and str(reason.get("message", "")).startswith(STREAM_EVICTED)
 
 
+def book_generation(ledger: StreamLedger, output: dict, params: SamplingParams, version: int) -> Generation:
+    """An SGLang ``/generate`` answer into ``ledger``: the sampled tokens with their logprobs and ``version``; the
+    server computed everything the stream holds but the last sampled token (its KV comes with the next turn)."""
+    ids = list(output["output_ids"])
+    lps = [float(lp) for lp, *_ in output["meta_info"]["output_token_logprobs"]]
+    if len(lps) != len(ids):
+        raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
+    for tok, lp in zip(ids, lps, strict=True):
+        ledger.add_sampled(tok, lp, version)
+    ledger.commit(ledger.num_pending - 1)
+    stop = set(params.stop_token_ids)
+    return Generation(ids, lps, "stop" if ids and ids[-1] in stop else "length")
+
+
 def _check(out: dict) -> dict:
     reason = out["meta_info"].get("finish_reason") or {}
     if reason.get("type") == "abort":
@@ -132,18 +146,9 @@ class _Session:
 
     def record(self, output: dict, params: SamplingParams, version: int) -> Generation:
         """Book one turn's server response; returns it as a ``Generation``."""
-        ids = list(output["output_ids"])
-        lps = [float(lp) for lp, *_ in output["meta_info"]["output_token_logprobs"]]
-        if len(lps) != len(ids):
-            raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
-        ledger = self.ledger
-        for tok, lp in zip(ids, lps, strict=True):
-            ledger.add_sampled(tok, lp, version)
-        ledger.commit(ledger.num_pending - 1)  # the server computed everything it holds but the last sampled token
-        self.sent = ledger.end
-        stop = set(params.stop_token_ids)
-        reason = "stop" if ids and ids[-1] in stop else "length"
-        return Generation(ids, lps, reason)
+        gen = book_generation(self.ledger, output, params, version)
+        self.sent = self.ledger.end
+        return gen
 
 
 class _Streams:
@@ -322,25 +327,12 @@ class SGLangClient(_Streams):
 
     def __init__(self, base_url: str, *, kv_dtype: str = "bf16", timeout_s: float = 600.0):
         super().__init__()
-        self.base_url = base_url.rstrip("/")
+        self.http = JsonPoster(base_url, timeout_s=timeout_s)
+        self.base_url = self.http.base_url
         self.kv_dtype = kv_dtype
-        self.timeout_s = timeout_s
-        self._http = None
 
     async def _post(self, route: str, payload: dict):
-        import aiohttp
-
-        if self._http is None:
-            # a connection per request: a pooled one goes stale while the trainer holds the event loop
-            # longer than the server's keep-alive, and a request sent on it is lost
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                               connector=aiohttp.TCPConnector(force_close=True, limit=0))
-        async with self._http.post(self.base_url + route, json=payload) as resp:
-            text = await resp.text()
-            body = json.loads(text) if text else None
-            if resp.status != 200:
-                raise RuntimeError(f"SGLang {route} failed ({resp.status}): {body}")
-            return body
+        return await self.http.post(route, payload)
 
     async def _run(self, steps: Generator):
         try:
@@ -361,9 +353,7 @@ class SGLangClient(_Streams):
         return await self._post("/close_session", a)
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self.http.aclose()
 
     async def open(self, stream, *, shared_prefix_len: int | None = None):
         """A new stream on ``stream``'s tokens; its first ``shared_prefix_len`` (default: all of them, the

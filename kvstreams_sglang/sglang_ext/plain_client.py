@@ -20,14 +20,14 @@ record's ``meta["server"]``.
 from __future__ import annotations
 
 import itertools
-import json
 from dataclasses import asdict, dataclass
 
 from trainer_masks import StreamLedger
 
 from ..engine.engine import Generation
 from ..engine.sampling import SamplingParams
-from .client import sglang_sampling_params
+from .client import book_generation, sglang_sampling_params
+from .http_client import JsonPoster
 
 STAT_KEYS = ("turns", "prompt_tokens", "cached_tokens", "computed_tokens", "cached_tokens_lost")
 
@@ -55,32 +55,19 @@ class PlainClient:
     """``envs.rollout.client.EngineClient`` over a stock SGLang HTTP server (no sessions, radix cache on)."""
 
     def __init__(self, base_url: str, *, kv_dtype: str = "bf16", timeout_s: float = 600.0):
-        self.base_url = base_url.rstrip("/")
+        self.http = JsonPoster(base_url, timeout_s=timeout_s)
+        self.base_url = self.http.base_url
         self.kv_dtype = kv_dtype
-        self.timeout_s = timeout_s
         self.policy_version = 0
         self.stats = dict.fromkeys((*STAT_KEYS, "reopened", "reopen_cached_tokens"), 0)
         self._streams: dict[int, _Stream] = {}
         self._sids = itertools.count()
-        self._http = None
 
     async def _post(self, route: str, payload: dict):
-        import aiohttp
-
-        if self._http is None:  # a connection per request, as SGLangClient (a pooled one can go stale)
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                                               connector=aiohttp.TCPConnector(force_close=True, limit=0))
-        async with self._http.post(self.base_url + route, json=payload) as resp:
-            text = await resp.text()
-            body = json.loads(text) if text else None
-            if resp.status != 200:
-                raise RuntimeError(f"SGLang {route} failed ({resp.status}): {body}")
-            return body
+        return await self.http.post(route, payload)
 
     async def aclose(self) -> None:
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        await self.http.aclose()
 
     def _get(self, sid: int) -> _Stream:
         try:
@@ -131,16 +118,7 @@ class PlainClient:
     async def generate(self, sid, params: SamplingParams) -> Generation:
         s = self._get(sid)
         out = await self._request(s, sglang_sampling_params(params), logprobs=True)
-        ids = list(out["output_ids"])
-        lps = [float(lp) for lp, *_ in out["meta_info"]["output_token_logprobs"]]
-        if len(lps) != len(ids):
-            raise RuntimeError(f"SGLang returned {len(ids)} tokens but {len(lps)} logprobs")
-        ledger = s.ledger
-        for tok, lp in zip(ids, lps, strict=True):
-            ledger.add_sampled(tok, lp, self.policy_version)
-        ledger.commit(ledger.num_pending - 1)  # the server computed everything but the last sampled token
-        stop = set(params.stop_token_ids)
-        return Generation(ids, lps, "stop" if ids and ids[-1] in stop else "length")
+        return book_generation(s.ledger, out, params, self.policy_version)
 
     async def prefill(self, sid):
         s = self._get(sid)
