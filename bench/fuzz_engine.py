@@ -259,28 +259,19 @@ class _Fuzzer:
 
     # ---- ops ----
     def one_op(self, budget: int) -> None:
+        """One op drawn by its share of the mix (cumulative thresholds over a uniform draw); an engine with no
+        stream always opens one."""
+        mix = ((0.12, self.op_open), (0.28, self.op_append), (0.55, self.op_generate), (0.60, self.op_overflow),
+               (0.65, self.op_prefill), (0.80, self.op_evict), (0.88, self.op_close), (0.89, self.op_reprefill),
+               (1.0, lambda: asyncio.run(self.burst(min(budget, self.rng.randint(3, 12))))))
         r = self.rng.random()
-        streams = self.eng.table.streams
-        if r < 0.12 or not streams:
-            self.op_open()
-        elif r < 0.28:
-            self.op_append()
-        elif r < 0.55:
-            self.op_generate()
-        elif r < 0.60:
-            self.op_overflow()
-        elif r < 0.65:
-            self.op_prefill()
-        elif r < 0.80:
-            self.op_evict()
-        elif r < 0.88:
-            self.op_close()
-        elif r < 0.89:
-            self.report.ops["reprefill"] += 1
-            self.eng.reprefill()
-        else:
-            asyncio.run(self.burst(min(budget, self.rng.randint(3, 12))))
+        op = self.op_open if not self.eng.table.streams else next(fn for edge, fn in mix if r < edge)
+        op()
         check_invariants(self.eng, sync=True)
+
+    def op_reprefill(self) -> None:
+        self.report.ops["reprefill"] += 1
+        self.eng.reprefill()
 
     def op_open(self) -> None:
         eng, rep = self.eng, self.report

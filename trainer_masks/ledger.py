@@ -114,10 +114,6 @@ class StreamLedger:
         """Tokens whose KV is kept."""
         return len(self.live)
 
-    @property
-    def num_evicted(self) -> int:
-        return self.num_computed - len(self.live)
-
     def is_live(self, position: int) -> bool:
         i = bisect_left(self.live, position)
         return i < len(self.live) and self.live[i] == position
