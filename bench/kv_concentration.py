@@ -51,7 +51,7 @@ def run(model, device, episodes: list[EpisodeSpec], renderer, *, max_batch: int 
         strategy: str = "full_context", window: int = 4, sink: int = 16, recent: int = 128, seed: int = 0,
         pool_lengths: list[int] | None = None, progress=None, log=print) -> dict:
     compaction = (CompactionConfig(strategy="full_context") if strategy == "full_context"
-                  else CompactionConfig(strategy=strategy, max_turns=window, stride=1))
+                  else CompactionConfig(strategy=strategy, window_turns=window, stride=1))
     replay = Replay(renderer, compaction, episode_config(), seed=seed)
     reserved = episode_peaks(episodes, renderer, compaction, replay.config)
     peaks = sorted(reserved, reverse=True)

@@ -207,7 +207,7 @@ class ReplayEnvironment:
 
 def episode_config(**overrides) -> EpisodeConfig:
     """The loop's settings for a replay: the environment bounds every turn, nothing else does."""
-    return EpisodeConfig(**dict(dict(max_turns=10_000, max_tokens=1 << 30, max_new_tokens=1 << 20,
+    return EpisodeConfig(**dict(dict(max_turns=10_000, max_stream_tokens=1 << 30, max_new_tokens=1 << 20,
                                      temperature=1.0, env_in_thread=False), **overrides))
 
 

@@ -155,7 +155,7 @@ def warm_up(eng, replay: Replay, *, n: int = 4) -> None:
     t = replay.template
     eps = [EpisodeSpec(t.first + 40 + 8 * i, ((4 + i, t.obs + 20 + i), (5, t.obs + 30), (6, 0)), "warmup")
            for i in range(n)]
-    small = Replay(replay.renderer, CompactionConfig(strategy="sliding_window", max_turns=2, stride=1),
+    small = Replay(replay.renderer, CompactionConfig(strategy="sliding_window", window_turns=2, stride=1),
                    replay.config, seed=99)
     cap = eng.table.allocator.num_slots
     run_logged(eng, eps, small, Gate(cap, n), [1] * n)

@@ -135,12 +135,12 @@ def compaction(strategy: str, execution: str, a) -> object:
     if strategy == "full_context":
         return CompactionConfig(strategy="full_context")
     if strategy == "sliding_window":
-        return CompactionConfig(strategy=strategy, execution=execution, max_turns=a.window, stride=1)
+        return CompactionConfig(strategy=strategy, execution=execution, window_turns=a.window, stride=1)
     if strategy == "markovian_thinker":
-        return CompactionConfig(strategy=strategy, execution=execution, max_turns=a.markovian_turns,
+        return CompactionConfig(strategy=strategy, execution=execution, window_turns=a.markovian_turns,
                                 stride=a.markovian_turns // 2)
     if strategy == "summary":
-        return CompactionConfig(strategy=strategy, execution=execution, max_turns=a.summary_turns, stride=1,
+        return CompactionConfig(strategy=strategy, execution=execution, window_turns=a.summary_turns, stride=1,
                                 summary_max_tokens=a.summary_tokens)
     raise ValueError(f"unknown strategy {strategy!r}")
 
@@ -299,8 +299,10 @@ async def run_once(server: Server, setup: Setup, replay: Replay, specs: list[Epi
     end = time.perf_counter()
     if "start" not in marks:
         marks["start"] = snapshot(server, meter)
-    exhausted = "end" not in marks  # every episode finished before the window closed
-    if exhausted:
+    # every episode finished before the window closed (not: the replay stopped at the window's end before the
+    # monitor's next tick took the closing snapshot)
+    exhausted = end < w1
+    if "end" not in marks:
         marks["end"] = snapshot(server, meter)
     s, e = marks["start"], marks["end"]
     failed = [x for x in done if isinstance(x, BaseException)]

@@ -55,7 +55,7 @@ def compaction_for(execution: str, strategy: str, window: int) -> CompactionConf
     """Sliding Window evicting the oldest turn whenever ``window`` completed turns are live (stride 1)."""
     if strategy == "full_context":
         return CompactionConfig(strategy="full_context")
-    return CompactionConfig(strategy=strategy, execution=execution, max_turns=window, stride=1)
+    return CompactionConfig(strategy=strategy, execution=execution, window_turns=window, stride=1)
 
 
 def run(model, device, episodes: list[EpisodeSpec], renderer, *, budget_bytes: int, max_batch: int = 64,

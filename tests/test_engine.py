@@ -256,8 +256,8 @@ def test_an_engine_on_a_loaded_model_reports_each_step(tiny_model_path):
 
     model = load_model(str(tiny_model_path), device="cpu", dtype=torch.float32)[0]
     steps = []
-    shared = Engine(model=model, max_tokens=256, max_streams=2, on_step=steps.append)
-    loaded = Engine(str(tiny_model_path), max_tokens=256, max_streams=2, dtype=torch.float32)
+    shared = Engine(model=model, kv_slots=256, max_streams=2, on_step=steps.append)
+    loaded = Engine(str(tiny_model_path), kv_slots=256, max_streams=2, dtype=torch.float32)
     prompt = list(range(10, 30))
     a = shared.generate(shared.open_stream(prompt), max_new_tokens=4, temperature=0.0)
     b = loaded.generate(loaded.open_stream(prompt), max_new_tokens=4, temperature=0.0)

@@ -121,7 +121,7 @@ def test_episode_peaks_and_sampling(tiny_model_path):
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_path), SYSTEM_PROMPT)
     ep = EpisodeSpec(100, ((10, 50), (10, 60), (10, 70), (10, 0)))
     # the agent loop itself, without a model: the most live + pending tokens of the episode's stream
-    full, window = (episode_peaks([ep], renderer, CompactionConfig(strategy=s, max_turns=2, stride=1))[0]
+    full, window = (episode_peaks([ep], renderer, CompactionConfig(strategy=s, window_turns=2, stride=1))[0]
                     for s in ("full_context", "sliding_window"))
     assert full == ep.total == 100 + 40 + 180
     # window 2: after turn 2 completes the oldest (60 tokens) is evicted: live 100+70, then +80, then +10; the

@@ -62,8 +62,8 @@ def test_replayed_episodes_have_their_recorded_turn_lengths(wide_vocab_model, st
     from kvstreams_sglang.engine import Engine
 
     renderer = renderer_of(wide_vocab_model)
-    comp = CompactionConfig(strategy=strategy, max_turns=2, stride=1)
-    engine = Engine(str(wide_vocab_model), max_tokens=4096, max_streams=4)
+    comp = CompactionConfig(strategy=strategy, window_turns=2, stride=1)
+    engine = Engine(str(wide_vocab_model), kv_slots=4096, max_streams=4)
     reserved = episode_peaks(SPECS, renderer, comp)
     done = asyncio.run(run_replay(BuiltinClient(engine), enumerate(SPECS), Replay(renderer, comp), Gate(4096, 2),
                                   reservations=dict(enumerate(reserved))))
@@ -98,7 +98,7 @@ def test_replay_environment_refuses_pieces_shorter_than_the_template(tiny_model_
 def test_ledger_client_peak_is_what_the_engine_holds(tiny_model_path):
     """The model-free sizing pass and a real engine agree: the reservation bounds the engine's live tokens."""
     renderer = renderer_of(tiny_model_path)
-    comp = CompactionConfig(strategy="sliding_window", max_turns=2, stride=1)
+    comp = CompactionConfig(strategy="sliding_window", window_turns=2, stride=1)
     client = LedgerClient()
     asyncio.run(run_replay(client, enumerate(SPECS[:1]), Replay(renderer, comp), Gate(10_000, 1),
                            reservations={0: 0}))
@@ -183,7 +183,7 @@ def test_targets_say_what_was_met_and_where_the_time_goes():
 
 pytestmark_sglang = pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed (make sglang-cpu)")
 CPU_ARGS = ["--device", "cpu", "--configs", "stock_bf16,streams_bf16", "--strategies", "sliding_window",
-            "--warmup", "2", "--duration", "12", "--episodes", "60", "--length-scale", "0.15", "--max-turns", "5",
+            "--warmup", "2", "--duration", "12", "--episodes", "600", "--length-scale", "0.15", "--max-turns", "5",
             "--window", "2", "--sizing-workers", "0", "--max-running-requests", "16", "--free-rows", "2",
             "--max-total-tokens", "2048", "--budget-s", "600"]
 
@@ -282,7 +282,8 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
     assert ours["reprefilled_tokens"] == 0 and ours["client"]["stats"]["cached_tokens_lost"] == 0
     # stock: every turn's whole context goes to the server, the radix cache returns most of it
     assert stock["client"]["stats"]["cached_tokens"] > stock["client"]["stats"]["computed_tokens"]
-    assert stock["step_profile"]["prefill"]["cached_tokens"] > 0 == ours["step_profile"]["prefill"]["cached_tokens"]
+    # both find each turn's earlier context in the radix tree (ours: a stream's kept tokens are its branch there)
+    assert stock["step_profile"]["prefill"]["cached_tokens"] > 0 and ours["step_profile"]["prefill"]["cached_tokens"] > 0
     if stock["episodes_completed"]:  # window 2: episodes of 3+ turns were compacted, kept tokens recomputed
         d = stock["reprefill_detail"]
         assert stock["reprefilled_tokens"] == d["kept_computed_tokens_reopened"] - d["still_cached_at_reopen"] > 0

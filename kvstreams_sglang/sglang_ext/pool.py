@@ -28,7 +28,7 @@ class KV4TokenToKVPool(MHATokenToKVPool):
     def _create_buffers(self):
         # slot 0 stays the padding slot SGLang writes dummy tokens to, as in the parent
         slots = self.size + self.page_size
-        side = max(1, (self.num_rows + 1) * (self.sink + self.recent))  # request rows are 1..num_rows (row 0 pads)
+        side = max(1, self.num_rows * (self.sink + self.recent))  # a side row per req_to_token row, row 0 included
         self.layers = [KV4LayerCache.empty(slots, side, self.head_num, self.head_dim, device=self.device)
                        for _ in range(self.layer_num)]
         self.slot_positions = torch.zeros(slots, dtype=torch.int32, device=self.device)
