@@ -283,7 +283,7 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
     # stock: every turn's whole context goes to the server, the radix cache returns most of it
     assert stock["client"]["stats"]["cached_tokens"] > stock["client"]["stats"]["computed_tokens"]
     # both find each turn's earlier context in the radix tree (ours: a stream's kept tokens are its branch there)
-    assert stock["step_profile"]["prefill"]["cached_tokens"] > 0 and ours["step_profile"]["prefill"]["cached_tokens"] > 0
+    assert min(r["step_profile"]["prefill"]["cached_tokens"] for r in (stock, ours)) > 0
     if stock["episodes_completed"]:  # window 2: episodes of 3+ turns were compacted, kept tokens recomputed
         d = stock["reprefill_detail"]
         assert stock["reprefilled_tokens"] == d["kept_computed_tokens_reopened"] - d["still_cached_at_reopen"] > 0
