@@ -87,6 +87,7 @@ from .replay import (
     sizing_pool,
 )
 from .sglang_servers import OURS, STOCK, Server, ServerConfig, decode_lines, metric_total, prefill_lines
+from .trace_summary import summarize_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).parent / "results" / "rollout_sglang_h200.json"
@@ -249,10 +250,11 @@ def make_client(setup: Setup, url: str):
 
 async def run_once(server: Server, setup: Setup, replay: Replay, specs: list[EpisodeSpec], reserved: list[int], *,
                    capacity: int, max_batch: int, warmup_s: float, duration_s: float | None,
-                   waves: bool = False, timeout_s: float = 300.0) -> dict:
+                   waves: bool = False, timeout_s: float = 300.0, profile: tuple[Path, int] | None = None) -> dict:
     """Replay ``specs`` against ``server``. ``duration_s``: measure ``[warmup, warmup + duration]`` and stop then;
     None: run every episode and measure all of it (the concentration study). A run still going ``timeout_s``
-    after its window (a stuck server) is cancelled and says so (``hung``)."""
+    after its window (a stuck server) is cancelled and says so (``hung``). ``profile`` (directory, steps): the
+    server's torch profiler records that many steps from the window's start (``bench.trace_summary``)."""
     meter = Meter(make_client(setup, server.url))
     gate = Gate(capacity, max_batch, waves=waves)
     t0 = time.perf_counter()
@@ -275,6 +277,8 @@ async def run_once(server: Server, setup: Setup, replay: Replay, specs: list[Epi
             lag.append(now - due)
             if "start" not in marks and now >= w0:
                 marks["start"] = snapshot(server, meter)
+                if profile:
+                    asyncio.get_running_loop().run_in_executor(None, start_profile, server, *profile)
             if w0 <= now <= w1:
                 samples.append((now, gate.active, gate.reserved, gate.waiting_for, meter.resident_tokens(),
                                 len(meter.open_sids)))
@@ -311,6 +315,22 @@ async def run_once(server: Server, setup: Setup, replay: Replay, specs: list[Epi
     return dict(window=(s, e), wall_s=end - t0, samples=samples, finished=finished, in_window=in_window,
                 failed=failed, exhausted=exhausted and not hung, hung=hung, lag=lag, meter=meter, gate=gate,
                 episodes_offered=len(specs))
+
+
+def start_profile(server: Server, directory: Path, steps: int) -> None:
+    """SGLang's torch profiler on ``server`` for its next ``steps`` steps (CPU and GPU activity), traces into
+    ``directory``; it stops by itself."""
+    import urllib.request
+
+    directory.mkdir(parents=True, exist_ok=True)
+    body = json.dumps(dict(output_dir=str(directory.resolve()), num_steps=steps, activities=["CPU", "GPU"],
+                           record_shapes=False, with_stack=False)).encode()
+    req = urllib.request.Request(server.url + "/start_profile", data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+    except OSError as e:  # a profile is a diagnostic: the run goes on without it
+        print(f"start_profile failed: {e!r}", flush=True)
 
 
 def step_profile(text: str, m0: list, m1: list, window_s: float) -> dict:
@@ -536,6 +556,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--min-duration", type=float, default=5.0)
     g.add_argument("--budget-s", type=float, default=470.0,
                    help="the whole bench's wall time: windows shrink (to --min-duration) to fit it")
+    g.add_argument("--profile-steps", type=int, default=0,
+                   help="record this many steps of each --profile-configs server with SGLang's torch profiler from\n"
+                        "its window's start; the trace is summarised into the run's 'profile' (bench.trace_summary)")
+    g.add_argument("--profile-configs", default="stock_bf16,streams_kv4rl")
     g = p.add_argument_group("--study concentration")
     g.add_argument("--conc-config", default="streams_bf16")
     g.add_argument("--conc-batch", type=int, default=32)
@@ -665,9 +689,14 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
                 duration = max(a.min_duration, min(a.duration, spare / left - a.warmup - 3.0))
                 capacity = int(0.92 * pool_tokens)  # headroom for the scheduler's own decode reservations
                 replay = Replay(renderer, compaction(st, setup.execution, a), episode_config(), seed=a.seed)
+                prof_dir = a.out.parent / "profiles" / f"{setup.name}_{st}"
+                profiled = a.profile_steps > 0 and setup.name in a.profile_configs.split(",")
                 run = asyncio.run(run_once(server, setup, replay, specs, peaks[st], capacity=capacity,
-                                           max_batch=max_batch, warmup_s=a.warmup, duration_s=duration))
+                                           max_batch=max_batch, warmup_s=a.warmup, duration_s=duration,
+                                           profile=(prof_dir, a.profile_steps) if profiled else None))
                 row = summarize(run, setup, st, server, bytes_, pool_tokens)
+                if profiled:
+                    row["profile"] = dict(steps=a.profile_steps, traces=summarize_dir(prof_dir))
                 result["runs"].append(row)
                 done_runs += 1
                 save()

@@ -19,8 +19,8 @@ MODEL=/tmp/qwen3-4b
 [ -f $MODEL/config.json ] || python3 -m kvstreams_sglang.checkpoints $MODEL --shape qwen3-4b --dtype bfloat16 \
   --device cuda > /dev/null || exit 1
 case $MODE in
-  quick) timeout 420 python3 -m bench.rollout_sglang --model $MODEL --quick --out "$OUT/rollout_sglang_quick_h200.json" ;;
-  full) timeout 530 python3 -m bench.rollout_sglang --model $MODEL --out "$OUT/rollout_sglang_h200.json" ;;
+  quick) timeout ${ROLLOUT_TIMEOUT:-420} python3 -m bench.rollout_sglang --model $MODEL --quick --out "$OUT/rollout_sglang_quick_h200.json" ;;
+  full) timeout ${ROLLOUT_TIMEOUT:-530} python3 -m bench.rollout_sglang --model $MODEL --out "$OUT/rollout_sglang_h200.json" ;;
   concentration) timeout 400 python3 -m bench.rollout_sglang --model $MODEL --study concentration \
     --out "$OUT/kv_concentration_sglang_h200.json" ;;
   *) echo "usage: bash bench/device/rollout_check.sh [quick|full|concentration]"; exit 2 ;;

@@ -113,7 +113,7 @@ class KV4Backend:
         return kv4_attention_step(self.pool.layers[layer], q, k, v, mode=fb.mode, qo_indptr=fb.qo_indptr,
                                   out_slots=fb.out_slots, side_slots=fb.side_slots, kv4=fb.kv4, sm_scale=scaling,
                                   use_triton=self._triton(q.device), decode_plan=fb.decode_plan,
-                                  decode_workspace=self.decode_workspace)
+                                  decode_workspace=self.decode_workspace, max_new_tokens=fb.max_new_tokens)
 
 
 def kvstreams_attention(module, query, key, value, attention_mask, scaling=None, kv_batch=None, kv_backend=None,

@@ -46,6 +46,7 @@ class ForwardBatch:
     out_slots: torch.Tensor  # [N] slots the new tokens' KV is written to
     qo_indptr: torch.Tensor  # [B+1] new tokens of stream b: [qo_indptr[b], qo_indptr[b+1])
     logits_indices: torch.Tensor  # [B] last new token of each stream (the one that samples)
+    max_new_tokens: int | None = None  # the longest stream's new tokens (host: kernel grids need no sync)
     # Full-precision attention: each stream's kept slots (new ones included), padded to [B, L].
     kv_gather: torch.Tensor | None = None  # [B, L]
     attn_mask: torch.Tensor | None = None  # [B, 1, M, L] bool
@@ -94,7 +95,8 @@ def _common(items: list[StepItem], mode, table: SlotTable, device) -> tuple[Forw
     stream_of = torch.repeat_interleave(torch.arange(len(items), device=device), n_new_t)  # [N]
     positions = before_t[stream_of] + torch.arange(stream_of.numel(), device=device) - qo[:-1].long()[stream_of]
     fb = ForwardBatch(mode=mode, input_ids=torch.tensor(ids, **as_long), positions=positions,
-                      out_slots=torch.tensor(slots, **as_long), qo_indptr=qo, logits_indices=(qo[1:] - 1).long())
+                      out_slots=torch.tensor(slots, **as_long), qo_indptr=qo, logits_indices=(qo[1:] - 1).long(),
+                      max_new_tokens=max(n_new))
     rows_t = torch.tensor(rows, **as_long)
     width = max(lens_after)
     col = torch.arange(width, device=device)[None]

@@ -44,6 +44,7 @@ class KV4StepMetadata:
     side_slots: torch.Tensor
     kv4: dict
     decode_plan: object | None
+    max_new_tokens: int | None = None  # extend: the longest request's new tokens, from the host
 
     @property
     def num_tokens(self) -> int:
@@ -128,7 +129,10 @@ class KV4RLAttnBackend(AttentionBackend):
         # every slot remembers the position its token was computed at (rows get compacted)
         self.pool.slot_positions[out_slots] = p_new.to(torch.int32)
 
-        width = self._host_sizes(fb, rows.numel())[0]
+        width, total = self._host_sizes(fb, rows.numel())
+        # host sizes: the lists and every layer's kernel grid are sized without a device sync
+        new_cpu = getattr(fb, "extend_seq_lens_cpu", None)
+        max_new = int(max(new_cpu)) if new_cpu else None
         col = torch.arange(width, device=dev)[None]
         slots = self.req_to_token[rows, :width]
         positions = self.pool.slot_positions[slots.long()].long()
@@ -138,8 +142,9 @@ class KV4RLAttnBackend(AttentionBackend):
                                             output_size=out_slots.numel())
         side_slots = new_side_slots(rows[stream_of], p_new, end_after[stream_of], sink=sink, recent=recent)
         # new tokens attend to each other in full precision, the prefix through KV4
-        kv4 = region_lists(rows, slots, positions, col < prefix[:, None], first_new, sink=sink, recent=recent)
-        self.forward_metadata = KV4StepMetadata("extend", qo, out_slots, side_slots, kv4, None)
+        kv4 = region_lists(rows, slots, positions, col < prefix[:, None], first_new, sink=sink, recent=recent,
+                           capacity=total if new_cpu else None)
+        self.forward_metadata = KV4StepMetadata("extend", qo, out_slots, side_slots, kv4, None, max_new)
 
     def _decode_lists(self, rows, seq_lens, positions, out_slots, width: int, total: int | None = None):
         """One decode step's plan, shared by the eager and the graph path: the new tokens' logical
@@ -234,7 +239,7 @@ class KV4RLAttnBackend(AttentionBackend):
         out = kv4_attention_step(self.pool.layer_cache(layer.layer_id), q_, k_, v_, mode=md.mode,
                                  qo_indptr=md.qo_indptr, out_slots=md.out_slots, side_slots=md.side_slots,
                                  kv4=md.kv4, sm_scale=layer.scaling, use_triton=self.use_triton,
-                                 decode_plan=plan, decode_workspace=workspace)
+                                 decode_plan=plan, decode_workspace=workspace, max_new_tokens=md.max_new_tokens)
         return out.reshape(n, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
