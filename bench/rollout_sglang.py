@@ -3,7 +3,8 @@ context vs ours evicting it in place (KV-streams), in bf16 / fp8 / KV4-RL KV.
 
     python -m bench.rollout_sglang --model /tmp/qwen3-4b --out $OUT/rollout_sglang_h200.json [--quick]
     python -m bench.rollout_sglang --model /tmp/qwen3-4b --study concentration --out $OUT/kv_conc.json
-    bash bench/device/rollout_check.sh [quick|full|concentration]     # the H200 command (bundle, checkpoint, bench)
+    python -m bench.rollout_sglang merge $OUT/a.json $OUT/b.json --out bench/results/rollout_sglang_h200.json
+    bash bench/device/rollout_check.sh [quick|stock|ours|concentration]  # the H200 commands (bundle, checkpoint)
 
 Recorded TextWorld episodes (``bench/data/textworld_turns.json``, texts scaled by ``--length-scale``) are replayed
 through the real agent loop (``bench.replay``: ``envs.rollout.agent_loop.run_episode`` with the real compaction
@@ -615,7 +616,38 @@ def header(a, argv) -> dict:
                 model_shape=f"{dims[0]} layers, {dims[1]} KV heads x {dims[2]} (random weights)")
 
 
+def merge(parts: list[Path], out: Path) -> dict:
+    """One result from the JSONs of several calls of the same bench (one device call cannot start five servers):
+    their runs and servers side by side, targets and plot made again. The parts must share the episode list
+    (settings.episodes, seed, template), or the comparison would not be of the same work."""
+    results = [json.loads(p.read_text()) for p in parts]
+    first = results[0]
+    key = ("episodes", "seed", "template", "window", "markovian_turns", "length_scale", "mem_fraction_static")
+    for p, r in zip(parts[1:], results[1:], strict=True):
+        diff = [k for k in key if r["settings"].get(k) != first["settings"].get(k)]
+        if diff:
+            raise ValueError(f"{p} was run with other settings than {parts[0]} ({', '.join(diff)}): not comparable")
+    merged = dict(first, command=[r["command"] for r in results], date=[r["date"] for r in results],
+                  merged_from=[str(p) for p in parts], servers={}, runs=[])
+    for r in results:
+        merged["servers"].update(r["servers"])
+        merged["runs"] += r["runs"]
+    merged["settings"] = dict(first["settings"], configs=list(merged["servers"]),
+                              strategies=list(dict.fromkeys(r["strategy"] for r in merged["runs"])))
+    merged["targets"] = targets(merged["runs"])
+    out.write_text(json.dumps(merged, indent=1, default=str) + "\n")
+    plot(merged, out.with_suffix(".png"))
+    return merged
+
+
 def main(argv: list[str] | None = None) -> dict:
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["merge"]:  # python -m bench.rollout_sglang merge A.json B.json --out C.json
+        p = argparse.ArgumentParser(prog="python -m bench.rollout_sglang merge")
+        p.add_argument("parts", type=Path, nargs="+")
+        p.add_argument("--out", type=Path, required=True)
+        m = p.parse_args(args[1:])
+        return merge(m.parts, m.out)
     a = parse_args(argv)
     # servers run in their own sessions: a SIGTERM (timeout) must unwind the ``with server`` blocks that stop them
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

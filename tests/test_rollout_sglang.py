@@ -291,3 +291,28 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
     assert "config 3 > config 1" in kinds and "0 re-prefilled tokens in configs 3-5 while memory suffices" in kinds
     three_vs_one = next(t for t in result["targets"] if t["target"].startswith("config 3 > config 1"))
     assert three_vs_one["met"] in (True, False)
+
+
+def test_merge_puts_the_calls_side_by_side_and_refuses_other_settings(tmp_path):
+    """Parts of one bench run in several device calls merge into one result: runs and servers side by side, the
+    targets evaluated again over all of them; a part run on another episode list is refused."""
+    import json
+
+    from bench.rollout_sglang import merge
+
+    whole = json.loads((TESTS.parent / "bench/results/rollout_sglang_h200.json").read_text())
+    parts = []
+    for config in ("stock_bf16", "streams_kv4rl"):
+        part = dict(whole, servers={config: whole["servers"].get(config, {})},
+                    runs=[r for r in whole["runs"] if r["config"] == config], targets=[])
+        parts.append(tmp_path / f"{config}.json")
+        parts[-1].write_text(json.dumps(part))
+    out = merge(parts, tmp_path / "merged.json")
+    assert [r["config"] for r in out["runs"]] == ["stock_bf16", "streams_kv4rl"]
+    assert json.loads((tmp_path / "merged.json").read_text())["targets"] == out["targets"] == whole["targets"]
+    assert (tmp_path / "merged.png").stat().st_size > 1000
+    other = json.loads(parts[1].read_text())
+    other["settings"] = dict(other["settings"], seed=1)
+    parts[1].write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="seed"):
+        merge(parts, tmp_path / "refused.json")

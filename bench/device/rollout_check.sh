@@ -1,16 +1,22 @@
 #!/bin/bash
-# One-command H200 run of the SGLang rollout bench (issue 22), from the repository root:
-#   bash bench/device/rollout_check.sh quick          # ~3 min warm (+2-4 min of JIT on a fresh machine): configs 1, 4
-#   bash bench/device/rollout_check.sh full           # < 9.5 min: 5 servers x (Sliding Window, Markovian Thinker, Summary)
-#   bash bench/device/rollout_check.sh concentration  # ~3.5 min: waves vs refill, long-tailed episodes, one server
+# H200 runs of the SGLang rollout bench (issue 22), from the repository root; one device call each (< 10 min):
+#   bash bench/device/rollout_check.sh stock   # configs 1-2 (stock bf16, stock fp8; re-prefill), SW + Markovian
+#   bash bench/device/rollout_check.sh ours    # configs 3-5 (ours bf16 / kv4rl KV-streams, kv4rl full context)
+#   bash bench/device/rollout_check.sh quick   # stock bf16 and ours kv4rl, Sliding Window only
+#   bash bench/device/rollout_check.sh concentration  # waves vs refill, long-tailed episodes, one server
+# then, here: python -m bench.rollout_sglang merge stock.json ours.json --out bench/results/rollout_sglang_h200.json
+# (the same episode list and seed in both calls; the merge refuses parts run with other settings).
+# What the first run taught (2026-12-02, bench/results/rollout_sglang_h200.json):
+# - a fresh machine spends ~150 s of stock's start-up in FlashInfer's JIT (fp8 KV has its own kernels), and every
+#   server start pays ~26 s of imports and ~20-60 s of CUDA-graph capture: budget ~300 s for the first stock server,
+#   ~90 s for the others; the JIT cache comes back as $OUT/jit_cache.tar.xz (carry it as .devcache/jit_cache.tar.xz:
+#   bench/device/bundle.sh restores it);
+# - the first ~10 s of a server's traffic still compiles kernels: --warmup 15;
+# - PROFILE=40 records 40 steps of each server with SGLang's torch profiler, summarised into the JSON (bench.trace_summary).
 # Needs the SGLang bundle at .device_sgl (bash ../shared/device/sglang_bundle.sh .device_sgl; carry .device_sgl).
-# A fresh machine compiles FlashInfer's kernels on first use (2-4 min; fp8 KV has its own) and our Triton kernels:
-# both caches come back as $OUT/jit_cache.tar.xz; carry it as .devcache/jit_cache.tar.xz (bench/device/bundle.sh
-# unpacks it before the servers start; on a fresh machine run `quick` first, then `full` with the cache carried).
-# Results in $OUT (or bench/results/check): the JSON, its PNG and the servers' logs (server_logs.tar.xz).
 set -o pipefail
 OUT=${OUT:-bench/results/check}
-MODE=${1:-full}
+MODE=${1:-quick}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 source bench/device/bundle.sh || exit 1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -18,14 +24,22 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 MODEL=/tmp/qwen3-4b
 [ -f $MODEL/config.json ] || python3 -m kvstreams_sglang.checkpoints $MODEL --shape qwen3-4b --dtype bfloat16 \
   --device cuda > /dev/null || exit 1
+COMMON="--model $MODEL --warmup ${WARMUP:-15} --duration ${DURATION:-15} --min-duration ${DURATION:-15} --budget-s 5000
+  --profile-steps ${PROFILE:-0} --profile-configs stock_bf16,streams_kv4rl"
+LIMIT=${ROLLOUT_TIMEOUT:-540}
 case $MODE in
-  quick) timeout ${ROLLOUT_TIMEOUT:-420} python3 -m bench.rollout_sglang --model $MODEL --quick --out "$OUT/rollout_sglang_quick_h200.json" ;;
-  full) timeout ${ROLLOUT_TIMEOUT:-530} python3 -m bench.rollout_sglang --model $MODEL --out "$OUT/rollout_sglang_h200.json" ;;
-  concentration) timeout 400 python3 -m bench.rollout_sglang --model $MODEL --study concentration \
+  quick) timeout $LIMIT python3 -m bench.rollout_sglang $COMMON --configs stock_bf16,streams_kv4rl \
+    --strategies sliding_window --out "$OUT/rollout_sglang_quick_h200.json" ;;
+  stock) timeout $LIMIT python3 -m bench.rollout_sglang $COMMON --configs stock_bf16,stock_fp8 \
+    --strategies ${STRATEGIES:-sliding_window,markovian_thinker} --out "$OUT/rollout_sglang_stock_h200.json" ;;
+  ours) timeout $LIMIT python3 -m bench.rollout_sglang $COMMON --configs streams_bf16,streams_kv4rl,kv4rl_full \
+    --strategies ${STRATEGIES:-sliding_window,markovian_thinker} --out "$OUT/rollout_sglang_ours_h200.json" ;;
+  concentration) timeout $LIMIT python3 -m bench.rollout_sglang --model $MODEL --study concentration \
     --out "$OUT/kv_concentration_sglang_h200.json" ;;
-  *) echo "usage: bash bench/device/rollout_check.sh [quick|full|concentration]"; exit 2 ;;
+  *) echo "usage: bash bench/device/rollout_check.sh [quick|stock|ours|concentration]"; exit 2 ;;
 esac
 rc=$?
 [ -d "$OUT/logs" ] && tar -cJf "$OUT/server_logs.tar.xz" -C "$OUT/logs" . && rm -rf "$OUT/logs"
-(cd ~ && ls -d .cache/flashinfer .triton/cache 2>/dev/null | xargs -r tar -cJf "$OUT/jit_cache.tar.xz")
+rm -rf "$OUT/profiles"  # summarised into the JSON; the traces are too large to bring back
+(cd ~ && ls -d .cache/flashinfer .triton/cache 2>/dev/null | xargs -r tar -cf - | xz -1 -T0 > "$OUT/jit_cache.tar.xz")
 exit $rc
