@@ -15,7 +15,7 @@ import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 from ..kv4.cache import KV4LayerCache
-from ..streams.pool import KV4Pool
+from ..streams.pool import KV4Pool, kv4_layers
 
 
 class KV4TokenToKVPool(MHATokenToKVPool):
@@ -29,8 +29,7 @@ class KV4TokenToKVPool(MHATokenToKVPool):
         # slot 0 stays the padding slot SGLang writes dummy tokens to, as in the parent
         slots = self.size + self.page_size
         side = max(1, self.num_rows * (self.sink + self.recent))  # a side row per req_to_token row, row 0 included
-        self.layers = [KV4LayerCache.empty(slots, side, self.head_num, self.head_dim, device=self.device)
-                       for _ in range(self.layer_num)]
+        self.layers, self.side = kv4_layers(self.layer_num, slots, side, self.head_num, self.head_dim, self.device)
         self.slot_positions = torch.zeros(slots, dtype=torch.int32, device=self.device)
         # SGLang reads these for its copy kernels and disaggregation; the bf16 views do not exist
         self.k_buffer, self.v_buffer = [], []
@@ -39,7 +38,7 @@ class KV4TokenToKVPool(MHATokenToKVPool):
         self._kv_buffer_descs = []  # PD transfer / post-capture backing descriptors: none
 
     def _clear_buffers(self):
-        del self.layers
+        del self.layers, self.side
 
     def get_kv_size_bytes(self):
         k = sum(c.k_codes.nbytes + c.k_meta.nbytes + c.k_side.nbytes + c.k_side_scale.nbytes for c in self.layers)

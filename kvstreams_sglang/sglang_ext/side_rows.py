@@ -14,27 +14,26 @@ import torch
 
 
 class SideRows:
+    """Side rows are saved as one tensor per field across layers (``streams.pool.kv4_layers``): a load or
+    a save is four copies, whatever the depth of the model."""
+
     def __init__(self, pool):
         self.pool = pool
         self.width = pool.sink + pool.recent  # side slots per row
 
-    def _tensors(self, layer) -> tuple[torch.Tensor, ...]:
-        return layer.k_side, layer.k_side_scale, layer.v_side, layer.v_side_scale
+    def _rows(self, row: int) -> slice:
+        return slice(row * self.width, (row + 1) * self.width)
 
-    def empty(self) -> list[tuple[torch.Tensor, ...]]:
-        """A side row, per layer (zeros: nothing protected is computed yet)."""
-        return [tuple(torch.zeros_like(t[: self.width]) for t in self._tensors(layer)) for layer in self.pool.layers]
+    def empty(self) -> dict[str, torch.Tensor]:
+        """A side row, every layer (zeros: nothing protected is computed yet)."""
+        return {name: torch.zeros_like(t[:, : self.width]) for name, t in self.pool.side.items()}
 
-    def load(self, saved: list, row: int) -> None:
+    def load(self, saved: dict[str, torch.Tensor], row: int) -> None:
         """``saved`` under request row ``row``."""
-        rows = slice(row * self.width, (row + 1) * self.width)
-        for layer, parts in zip(self.pool.layers, saved, strict=True):
-            for t, part in zip(self._tensors(layer), parts, strict=True):
-                t[rows].copy_(part)
+        for name, t in self.pool.side.items():
+            t[:, self._rows(row)].copy_(saved[name])
 
-    def save(self, saved: list, row: int) -> None:
+    def save(self, saved: dict[str, torch.Tensor], row: int) -> None:
         """Request row ``row``'s side row into ``saved``."""
-        rows = slice(row * self.width, (row + 1) * self.width)
-        for layer, parts in zip(self.pool.layers, saved, strict=True):
-            for t, part in zip(self._tensors(layer), parts, strict=True):
-                part.copy_(t[rows])
+        for name, t in self.pool.side.items():
+            saved[name].copy_(t[:, self._rows(row)])

@@ -65,7 +65,7 @@ class StreamState:
     live: list[int] = dataclasses.field(default_factory=list)  # logical positions of the tokens in the tree
     offset: int = 0  # tokens evicted so far: logical position = compacted index + offset after them
     prefix_hit_tokens: int = 0  # tokens of the first turn served from the tree
-    side: list | None = None  # kv4rl: the INT8 side row between turns (SideRows)
+    side: dict | None = None  # kv4rl: the INT8 side row between turns (SideRows)
     turn_rid: str | None = None  # the request id of its current turn (SGLang also hands refused requests the session)
 
     @property

@@ -57,6 +57,23 @@ class SideCopy:
     values: dict[str, torch.Tensor]
 
 
+def kv4_layers(num_layers: int, num_slots: int, side_slots: int, num_kv_heads: int, head_dim: int,
+               device=None) -> tuple[list[KV4LayerCache], dict[str, torch.Tensor]]:
+    """Per-layer KV4 caches whose INT8 side caches are views of one tensor per field across layers
+    (``[L, S8, Hkv, D]`` codes, ``[L, S8, Hkv]`` scales): a step's side entries, or a whole side row,
+    are saved and restored with one copy per field instead of one per layer."""
+    h, d = num_kv_heads, head_dim
+    i8, f16 = dict(dtype=torch.int8, device=device), dict(dtype=torch.float16, device=device)
+    side = {"k_side": torch.zeros(num_layers, side_slots, h, d, **i8),
+            "k_side_scale": torch.zeros(num_layers, side_slots, h, **f16),
+            "v_side": torch.zeros(num_layers, side_slots, h, d, **i8),
+            "v_side_scale": torch.zeros(num_layers, side_slots, h, **f16)}
+    layers = [dataclasses.replace(KV4LayerCache.empty(num_slots, 0, h, d, device=device),
+                                  **{name: t[layer] for name, t in side.items()})
+              for layer in range(num_layers)]
+    return layers, side
+
+
 class KV4Pool:
     kind = "kv4rl"
 
@@ -65,16 +82,8 @@ class KV4Pool:
         if sink < 0 or recent < 0:
             raise ValueError(f"sink and recent must be >= 0, got {sink}, {recent}")
         self.sink, self.recent = sink, recent
-        side, h, d = max(1, max_streams * (sink + recent)), num_kv_heads, head_dim
-        i8, f16 = dict(dtype=torch.int8, device=device), dict(dtype=torch.float16, device=device)
-        # [L, S8, Hkv, D] codes and [L, S8, Hkv] scales; layer l's cache holds views of index l
-        self.side = {"k_side": torch.zeros(num_layers, side, h, d, **i8),
-                     "k_side_scale": torch.zeros(num_layers, side, h, **f16),
-                     "v_side": torch.zeros(num_layers, side, h, d, **i8),
-                     "v_side_scale": torch.zeros(num_layers, side, h, **f16)}
-        self.layers = [dataclasses.replace(KV4LayerCache.empty(num_slots, 0, h, d, device=device),
-                                           **{name: t[layer] for name, t in self.side.items()})
-                       for layer in range(num_layers)]
+        self.layers, self.side = kv4_layers(num_layers, num_slots, max(1, max_streams * (sink + recent)),
+                                            num_kv_heads, head_dim, device)
 
     @property
     def nbytes(self) -> int:
