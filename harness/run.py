@@ -222,6 +222,8 @@ async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, ove
     with Progress() as progress:
         bar = progress.add_task("RL steps", total=cfg.run.steps, completed=start)
         for step in range(start, cfg.run.steps):
+            if budget is not None and gpu_s >= budget:
+                break  # resumed from the checkpoint that spent the budget
             t0 = time.perf_counter()
             groups = await orch.batch(step)
             orch.fill()  # keep the pool full while training
