@@ -10,8 +10,10 @@
 # between calls. Checkpoints never travel (the SFT model alone is ~300 MB); everything else comes back as
 # $OUT/learning_ENV_state.tar.xz: carry it as .devlearn/learning_ENV_state.tar.xz and a fresh machine starts from
 # it (finished runs kept; SFT done again, deterministically seeded, its hash recorded per run and compared).
-# Budget (estimates until a GPU run measures them): games + tokenizer + SFT ~3 min, each RL run 75 s of GPU time
-# + its evaluations; `all` is sized for one 10-minute call (the bench stops at 530 s and writes its report).
+# Budget (estimates until a GPU run measures them): games, vocabulary and expert episodes ~2.5 min (TextWorld plays
+# its games under one process-wide lock), SFT steps and checks ~1-2 min, each RL run 75 s of GPU time + ~1 min of
+# evaluations and start-up. The bench stops at 530 s and writes its report: expect `all` to take two calls (call
+# again on the warm machine: it continues where it stopped).
 # Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, and
 # jit_cache.tar.xz (Triton's cache: carry it as .devcache/jit_cache.tar.xz to skip the compiles next time).
 set -o pipefail
