@@ -47,7 +47,9 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save(directory: str | Path, step: int, payload: dict) -> Path:
+def save(directory: str | Path, step: int, payload: dict, *, keep: int | None = None) -> Path:
+    """Write step ``step``'s checkpoint and point ``latest`` at it; with ``keep``, step files beyond the newest
+    ``keep`` are then deleted (loading falls back to an older intact one, so keep at least 2 to have one)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:06d}.pt"
@@ -58,6 +60,9 @@ def save(directory: str | Path, step: int, payload: dict) -> Path:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     atomic_write_bytes(directory / "latest", path.name.encode())
+    if keep is not None:
+        for old in _step_files(directory)[keep:]:
+            old.unlink()
     return path
 
 

@@ -120,9 +120,25 @@ class TrainerConfig(Section):
 
 class RunConfig(Section):
     steps: int = Field(10, ge=1)
+    time_budget_s: float | None = Field(
+        None, gt=0, description="also stop after the first step at which the run's accumulated step time reaches "
+        "this (rollouts, training and weight sync, wall-clock; held-out evaluation excluded): runs compared at the "
+        "same budget")
     output_dir: str = "runs/default"
     checkpoint_every: int = Field(1, ge=1)
+    keep_checkpoints: int | None = Field(None, ge=1, description="newest checkpoints kept (default: all)")
     seed: int = 0
+
+
+class EvaluationConfig(Section):
+    """Held-out evaluation during RL: the policy plays the eval games through its own engine, with the run's KV
+    dtype and compaction, at a drained point (no rollout runs meanwhile, and its time is not the run's)."""
+
+    every: int = Field(0, ge=0, description="evaluate at the start, every this many trainer steps and after the "
+                                            "last one (eval.jsonl); 0: never during RL")
+    temperature: float = Field(0.0, ge=0, description="0: greedy")
+    splits: list[str] | None = Field(None, min_length=1, description="eval splits, each capped at "
+                                     "environment.num_eval games (default: [environment.eval_split])")
 
 
 class Config(Section):
@@ -133,6 +149,7 @@ class Config(Section):
     orchestrator: OrchestratorConfig = OrchestratorConfig()
     trainer: TrainerConfig = TrainerConfig()
     run: RunConfig = RunConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:

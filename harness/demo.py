@@ -31,31 +31,24 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from envs.registry import make_taskset
 from kvstreams_sglang.streams import FullPrecisionPool, KV4Pool
 
 from . import checkpoint
-from .config import Config, ConfigError, Section, TrainerConfig, check_machine, load_config
-from .evaluate import EvalResult, episode_config, evaluate, make_engine
+from .config import Config, ConfigError, check_machine, load_config
+from .evaluate import EvalResult, evaluate, make_engine
 from .metrics import MetricsLog
 from .run import prepare_model, resolve_device, run
-from .sft import SFTConfig, batches, expert_nll, expert_records, save_model, sft_step
-from .trainer import Trainer
+from .sft import SFTConfig, warm_start
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo_textworld.toml"
 STAGES = ("before SFT", "after SFT", "after RL")
 
 
-class EvaluationConfig(Section):
-    temperature: float = Field(0.0, ge=0, description="0: greedy")
-    expert_episodes: int = Field(32, ge=1, description="held-out expert episodes whose command loss is reported")
-
-
 class DemoConfig(Config):
     sft: SFTConfig = SFTConfig()
-    evaluation: EvaluationConfig = EvaluationConfig()
 
 
 def load_demo_config(path: str | Path | None = None, overrides: list[str] | None = None) -> DemoConfig:
@@ -92,7 +85,6 @@ def model_shape(model_path: str) -> dict:
 async def run_demo(cfg: DemoConfig) -> dict:
     """The whole job; returns the summary written to ``summary.json``."""
     from rich.console import Console
-    from rich.progress import Progress
     from transformers import AutoTokenizer
 
     from envs.rollout.chat import ChatRenderer
@@ -144,53 +136,8 @@ async def run_demo(cfg: DemoConfig) -> dict:
     lap("eval_before_sft")
 
     console.rule("[bold]3. SFT on expert episodes (compacted as in RL)")
-    s = cfg.sft
-    ep_cfg = episode_config(cfg, temperature=1.0)
-    with Progress(transient=True) as progress:
-        bar = progress.add_task("expert episodes", total=s.episodes + cfg.evaluation.expert_episodes)
-        records = await expert_records(taskset, renderer, cfg.compaction, ep_cfg, s,
-                                       split=cfg.environment.train_split, seed=cfg.run.seed,
-                                       on_episode=lambda: progress.advance(bar))
-        probe = await expert_records(taskset, renderer, cfg.compaction, ep_cfg,
-                                     s.model_copy(update={"episodes": cfg.evaluation.expert_episodes}),
-                                     split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
-                                     on_episode=lambda: progress.advance(bar))
-    compacted = sum(1 for r in records if r.evictions)
-    console.print(f"{len(records)} expert episodes ({compacted} compacted), "
-                  f"{sum(sum(r.loss_mask) for r in records)} command tokens")
-    lap("expert_episodes")
-    trainer = Trainer(base_path, TrainerConfig(lr=s.lr, micro_batch_records=s.micro_batch_records,
-                                               impl=cfg.trainer.impl, grad_clip=cfg.trainer.grad_clip), device)
-    sft_log = MetricsLog(out / "sft" / "metrics.jsonl")
-    nll_before = expert_nll(trainer, probe, micro_batch=s.micro_batch_records)
-    checker = None  # the engine that plays the train games for the early stop
-    sft_steps = 0
-    with Progress() as progress:
-        bar = progress.add_task("SFT steps", total=s.steps)
-        for step, batch in enumerate(batches(records, s.episodes_per_step, s.steps, seed=cfg.run.seed)):
-            row = {"step": step, **sft_step(trainer, batch, micro_batch=s.micro_batch_records)}
-            sft_steps = step + 1
-            stop = False
-            if s.stop_train_win_rate is not None and sft_steps % s.check_every == 0:
-                checker = checker or make_engine(cfg, base_path, device)
-                checker.update_weights(trainer.engine_weights())
-                check, _ = await evaluate("SFT check", checker, taskset, train_tasks[:s.check_games], renderer, cfg,
-                                          temperature=0.0, seed=cfg.run.seed)
-                row["train_win_rate"] = check.win_rate
-                stop = check.win_rate >= s.stop_train_win_rate
-            sft_log.log(row)
-            progress.update(bar, advance=1, description=f"SFT steps (nll {row['nll']:.3f})")
-            if stop:
-                console.print(f"SFT stops after {sft_steps} steps: greedy policy wins "
-                              f"{row['train_win_rate']:.0%} of {s.check_games} train games")
-                break
-    del checker
-    nll_after = expert_nll(trainer, probe, micro_batch=s.micro_batch_records)
-    if s.steps:
-        sft_log.plot(out / "sft" / "metrics.png", keys=["nll", "grad_norm"])
-    sft_path = str(save_model(trainer, base_path, out / "sft" / "model"))
-    del trainer
-    console.print(f"held-out expert command loss: {nll_before:.3f} -> {nll_after:.3f} nats/token")
+    sft = await warm_start(cfg, cfg.sft, base_path, taskset, renderer, device, out / "sft", console=console)
+    sft_path = sft.model_path
     lap("sft")
 
     console.rule("[bold]4. held-out evaluation after SFT")
@@ -200,7 +147,7 @@ async def run_demo(cfg: DemoConfig) -> dict:
     console.rule("[bold]5. async GRPO (KV-streams, kv4rl) from the SFT checkpoint")
     rl_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": sft_path}),
                                     "run": cfg.run.model_copy(update={"output_dir": str(out / "rl")})})
-    rl_rows = await run(Config.model_validate(rl_cfg.model_dump(exclude={"sft", "evaluation"})),
+    rl_rows = await run(Config.model_validate(rl_cfg.model_dump(exclude={"sft"})),
                         resume=False, overlap=True)
     lap("rl")
 
@@ -219,11 +166,11 @@ async def run_demo(cfg: DemoConfig) -> dict:
     timings["total"] = round(time.perf_counter() - t_start, 1)
     summary = {
         "stages": {k: v.as_dict() for k, v in results.items()},
-        "expert_nll": {"before_sft": nll_before, "after_sft": nll_after},
+        "expert_nll": {"before_sft": sft.nll_before, "after_sft": sft.nll_after},
         "tokens_reprefilled": {"rl": sum(r["tokens_reprefilled"] for r in rl_rows),
                                "eval": sum(r.tokens_reprefilled for r in results.values())},
         "kv": kv, "rl_peak_live_kv_tokens": max(r["peak_live_kv_tokens"] for r in rl_rows),
-        "rl_steps": len(rl_rows), "sft_steps": sft_steps, "timings_s": timings,
+        "rl_steps": len(rl_rows), "sft_steps": sft.steps, "timings_s": timings,
         "compaction": cfg.compaction.model_dump(), "kv_dtype": i.kv_dtype, "model": shape,
         "eval_temperature": cfg.evaluation.temperature,
     }

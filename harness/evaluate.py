@@ -64,6 +64,35 @@ def make_engine(cfg: Config, model_path: str, device: torch.device) -> Engine:
                               dtype=torch.float32 if device.type == "cpu" else None)
 
 
+def held_out_tasks(taskset: TaskSet, cfg: Config) -> dict[str, list[Task]]:
+    """The eval games of each split of ``cfg.evaluation.splits`` (default: the environment's eval split), the
+    first ``environment.num_eval`` of each."""
+    splits = cfg.evaluation.splits or [cfg.environment.eval_split]
+    return {split: taskset.tasks(split)[:cfg.environment.num_eval] for split in splits}
+
+
+class HeldOut:
+    """Held-out evaluation of a policy being trained: one engine of its own (the run's KV dtype, pool and
+    compaction), built on first use and given the policy's weights before each evaluation."""
+
+    def __init__(self, cfg: Config, model_path: str, device: torch.device, taskset: TaskSet, renderer: ChatRenderer):
+        self.cfg, self.model_path, self.device = cfg, model_path, device
+        self.taskset, self.renderer = taskset, renderer
+        self.tasks = held_out_tasks(taskset, cfg)
+        self.engine: Engine | None = None
+
+    async def evaluate(self, weights: dict[str, torch.Tensor]) -> list[EvalResult]:
+        """One result per split (its ``stage`` is the split's name)."""
+        self.engine = self.engine or make_engine(self.cfg, self.model_path, self.device)
+        self.engine.update_weights(weights)
+        results = []
+        for split, tasks in self.tasks.items():
+            result, _ = await evaluate(split, self.engine, self.taskset, tasks, self.renderer, self.cfg,
+                                       temperature=self.cfg.evaluation.temperature, seed=self.cfg.run.seed)
+            results.append(result)
+        return results
+
+
 def episode_config(cfg: Config, temperature: float) -> EpisodeConfig:
     return cfg.orchestrator.episode.model_copy(update=dict(temperature=temperature))
 

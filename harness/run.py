@@ -34,6 +34,7 @@ from envs.rollout.chat import ChatRenderer
 from . import checkpoint
 from .config import Config, ConfigError, check_machine, load_config
 from .distributed import TrainerRanks, follow, on_device, trainer_device
+from .evaluate import HeldOut
 from .inference import make_inference
 from .loss import group_advantages
 from .metrics import MetricsLog
@@ -67,15 +68,16 @@ def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
             from envs.corpus import episode_texts
 
             e = cfg.environment
-            corpus = episode_texts(make_taskset(e.name, e.options), e.train_split)
+            corpus = episode_texts(make_taskset(e.name, e.options), e.train_split, workers=os.cpu_count() or 1)
         build_tiny_model(path, num_layers=t.num_layers, hidden_size=t.hidden_size, num_heads=t.num_heads,
                          num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
                          vocab=t.vocab, corpus=corpus, vocab_size=t.vocab_size, seed=t.seed)
     return str(path)
 
 
-# What a run writes into run.output_dir (metrics.tmp: MetricsLog.truncate_after's, weights: the SGLang engine's)
-RUN_ENTRIES = {"config.json", "model", "metrics.jsonl", "metrics.tmp", "metrics.png", "checkpoints", "weights"}
+# What a run writes into run.output_dir (*.tmp: MetricsLog.truncate_after's, weights: the SGLang engine's)
+RUN_ENTRIES = {"config.json", "model", "metrics.jsonl", "metrics.tmp", "metrics.png", "checkpoints", "weights",
+               "eval.jsonl", "eval.tmp"}
 
 
 def claim_output_dir(out: Path, *, resume: bool, overwrite: bool) -> None:
@@ -199,16 +201,29 @@ async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, ove
     orch = Orchestrator(cfg.orchestrator, cfg.compaction, inference.client, taskset, renderer,
                         split=cfg.environment.train_split, seed=cfg.run.seed)
     metrics = MetricsLog(out / "metrics.jsonl")
-    start = 0
+    eval_log = MetricsLog(out / "eval.jsonl")
+    held_out = HeldOut(cfg, model_path, device, taskset, renderer) if cfg.evaluation.every else None
+    start, gpu_s = 0, 0.0  # gpu_s: the run's time on its devices (steps and drains; evaluation excluded)
     if state is not None:
         orch.load_state_dict(state["orchestrator"])
         checkpoint.set_rng_state(state["rng"])
-        start = state["step"]
+        start, gpu_s = state["step"], state.get("gpu_s", 0.0)
         metrics.truncate_after(start - 1)
+        eval_log.truncate_after(start)
     await inference.update_weights(trainer.engine_weights(), start)
+
+    async def evaluate_at(step: int) -> None:
+        for result in await held_out.evaluate(trainer.engine_weights()):
+            eval_log.log({"step": step, "gpu_s": gpu_s, "split": result.stage, **result.as_dict()})
+
+    if held_out is not None and not any(r["step"] == start for r in eval_log.rows()):
+        await evaluate_at(start)  # the starting policy (a resumed run evaluated at its checkpoint already)
+    budget = cfg.run.time_budget_s
     with Progress() as progress:
         bar = progress.add_task("RL steps", total=cfg.run.steps, completed=start)
         for step in range(start, cfg.run.steps):
+            if budget is not None and gpu_s >= budget:
+                break  # resumed from the checkpoint that spent the budget
             t0 = time.perf_counter()
             groups = await orch.batch(step)
             orch.fill()  # keep the pool full while training
@@ -221,19 +236,30 @@ async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, ove
             t2 = time.perf_counter()
             recomputed = await sync_weights(inference, trainer, orch, step + 1, cfg.orchestrator.reprefill_on_update)
             t3 = time.perf_counter()
+            gpu_s += t3 - t0
             row = step_metrics(step, groups, train, {"rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2},
                                orch)
             row.update(inference.metrics())
             row["tokens_reprefilled_on_update"] = recomputed
             row["tokens_reprefilled"] += recomputed
+            row["gpu_s"] = gpu_s
             if device.type == "cuda":
                 row["engine_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.log(row)
             progress.update(bar, advance=1, description=f"RL steps (reward {row['reward']:.3f})")
-            if (step + 1) % cfg.run.checkpoint_every == 0 or step + 1 == cfg.run.steps:
-                await orch.drain()
+            last = step + 1 == cfg.run.steps or (budget is not None and gpu_s >= budget)
+            evaluate_now = held_out is not None and ((step + 1) % cfg.evaluation.every == 0 or last)
+            if evaluate_now or (step + 1) % cfg.run.checkpoint_every == 0 or last:
+                t = time.perf_counter()
+                await orch.drain()  # the groups in flight finish on the run's time, then nothing runs
+                gpu_s += time.perf_counter() - t
                 checkpoint.save(out / "checkpoints", step + 1, {"trainer": trainer.checkpoint_state(),
-                                                               "orchestrator": orch.state_dict()})
+                                                               "orchestrator": orch.state_dict(), "gpu_s": gpu_s},
+                                keep=cfg.run.keep_checkpoints)
+                if evaluate_now:
+                    await evaluate_at(step + 1)
+            if last:
+                break
     await orch.drain()
     await inference.close()
     trainer.close()

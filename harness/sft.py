@@ -20,9 +20,11 @@ The loss: ``-sum(logprob of loss tokens) / loss tokens`` per step, from
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import random
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,6 +38,9 @@ from kvstreams_sglang.engine import Generation, SamplingParams
 from trainer_masks import StreamLedger, StreamRecord
 from trainer_masks.scoring import score_streams
 
+from .config import Config, TrainerConfig
+from .evaluate import episode_config, evaluate, make_engine
+from .metrics import MetricsLog
 from .trainer import Trainer
 
 # Strategies whose compaction asks the model a question (a summary, a pick): the expert has
@@ -60,6 +65,8 @@ class SFTConfig(BaseModel):
         "reaches it (steps is the cap)")
     check_every: int = Field(10, ge=1)
     check_games: int = Field(32, ge=1)
+    probe_episodes: int = Field(32, ge=1, description="expert episodes of the eval split whose command loss is "
+                                                      "reported before and after")
 
 
 class ExpertClient:
@@ -124,21 +131,26 @@ class ExpertClient:
 
 async def expert_records(taskset: TaskSet, renderer: ChatRenderer, compaction: CompactionConfig,
                          episode: EpisodeConfig, config: SFTConfig, *, split: str = "train", seed: int = 0,
-                         on_episode: Callable[[], None] | None = None) -> list[StreamRecord]:
-    """``config.episodes`` expert episodes over the ``split`` games (cycling), as records."""
+                         on_episode: Callable[[], None] | None = None, concurrency: int = 32) -> list[StreamRecord]:
+    """``config.episodes`` expert episodes over the ``split`` games (cycling), as records, in episode order
+    whatever order they finish in. Up to ``concurrency`` play at once: environments stepped in worker threads
+    (``episode.env_in_thread``) then wait on their games together (ALFWorld's player processes)."""
     if compaction.strategy in ASKS_THE_MODEL:
         raise ValueError(f"SFT from expert episodes needs a strategy that never asks the model; "
                          f"{compaction.strategy!r} does")
     tasks = taskset.tasks(split)
-    records: list[StreamRecord] = []
-    for i in range(config.episodes):
-        env = taskset.make_env()
-        client = ExpertClient(env, renderer, detour=config.detour, detours=config.detours, seed=seed + i)
-        ep = await run_episode(client, env, tasks[i % len(tasks)], renderer, compaction, episode)
-        records.extend(ep.records)
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(i: int) -> list[StreamRecord]:
+        async with sem:
+            env = taskset.make_env()
+            client = ExpertClient(env, renderer, detour=config.detour, detours=config.detours, seed=seed + i)
+            ep = await run_episode(client, env, tasks[i % len(tasks)], renderer, compaction, episode)
         if on_episode is not None:
             on_episode()
-    return records
+        return ep.records
+
+    return [r for records in await asyncio.gather(*(one(i) for i in range(config.episodes))) for r in records]
 
 
 def expert_nll(trainer: Trainer, records: list[StreamRecord], *, micro_batch: int = 4,
@@ -193,3 +205,78 @@ def save_model(trainer: Trainer, base_path: str | Path, out: str | Path) -> Path
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(base_path).save_pretrained(out)
     return out
+
+
+@dataclass
+class WarmStart:
+    """What ``warm_start`` made: the SFT checkpoint and how it got there."""
+
+    model_path: str
+    steps: int
+    episodes: int  # expert episodes trained on (records: one per context window under re-prefill)
+    compacted: int  # of which the strategy compacted at least once
+    command_tokens: int  # loss tokens over all records
+    nll_before: float  # held-out expert command loss (nats/token) before and after
+    nll_after: float
+    stop_train_win_rate: float | None  # the last early-stop check's train win rate (None: never checked)
+
+
+async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskSet, renderer: ChatRenderer,
+                     device: torch.device, out: Path, *, console=None) -> WarmStart:
+    """SFT from ``base_path`` on the train split's expert episodes rendered under ``cfg.compaction``, with the
+    early stop of ``sft.stop_train_win_rate`` (greedy play of ``sft.check_games`` train games through the
+    run's engine every ``sft.check_every`` steps); ``out/metrics.jsonl``, ``out/metrics.png`` and the
+    checkpoint ``out/model``. The expert command loss is measured on ``sft.probe_episodes`` expert episodes
+    of the eval split before and after."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = console or Console()
+    ep_cfg = episode_config(cfg, temperature=1.0)
+    with Progress(transient=True, console=console) as progress:
+        bar = progress.add_task("expert episodes", total=sft.episodes + sft.probe_episodes)
+        records = await expert_records(taskset, renderer, cfg.compaction, ep_cfg, sft,
+                                       split=cfg.environment.train_split, seed=cfg.run.seed,
+                                       on_episode=lambda: progress.advance(bar))
+        probe = await expert_records(taskset, renderer, cfg.compaction, ep_cfg,
+                                     sft.model_copy(update={"episodes": sft.probe_episodes}),
+                                     split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
+                                     on_episode=lambda: progress.advance(bar))
+    compacted = sum(1 for r in records if r.evictions)
+    command_tokens = sum(sum(r.loss_mask) for r in records)
+    console.print(f"{len(records)} expert episode records ({compacted} compacted), {command_tokens} command tokens")
+    trainer = Trainer(base_path, TrainerConfig(lr=sft.lr, micro_batch_records=sft.micro_batch_records,
+                                               impl=cfg.trainer.impl, grad_clip=cfg.trainer.grad_clip), device)
+    log = MetricsLog(out / "metrics.jsonl")
+    nll_before = expert_nll(trainer, probe, micro_batch=sft.micro_batch_records)
+    train_tasks = taskset.tasks(cfg.environment.train_split)[:sft.check_games]
+    checker = None  # the engine that plays the train games for the early stop
+    steps, check = 0, None
+    with Progress(console=console) as progress:
+        bar = progress.add_task("SFT steps", total=sft.steps)
+        for step, batch in enumerate(batches(records, sft.episodes_per_step, sft.steps, seed=cfg.run.seed)):
+            row = {"step": step, **sft_step(trainer, batch, micro_batch=sft.micro_batch_records)}
+            steps = step + 1
+            stop = False
+            if sft.stop_train_win_rate is not None and steps % sft.check_every == 0:
+                checker = checker or make_engine(cfg, base_path, device)
+                checker.update_weights(trainer.engine_weights())
+                result, _ = await evaluate("SFT check", checker, taskset, train_tasks, renderer, cfg,
+                                           temperature=0.0, seed=cfg.run.seed)
+                check = row["train_win_rate"] = result.win_rate
+                stop = check >= sft.stop_train_win_rate
+            log.log(row)
+            progress.update(bar, advance=1, description=f"SFT steps (nll {row['nll']:.3f})")
+            if stop:
+                console.print(f"SFT stops after {steps} steps: greedy policy wins {check:.0%} of "
+                              f"{len(train_tasks)} train games")
+                break
+    del checker
+    nll_after = expert_nll(trainer, probe, micro_batch=sft.micro_batch_records)
+    if steps:
+        log.plot(out / "metrics.png", keys=["nll", "grad_norm"])
+    model_path = str(save_model(trainer, base_path, out / "model"))
+    console.print(f"held-out expert command loss: {nll_before:.3f} -> {nll_after:.3f} nats/token")
+    return WarmStart(model_path=model_path, steps=steps, episodes=sft.episodes, compacted=compacted,
+                     command_tokens=command_tokens, nll_before=nll_before, nll_after=nll_after,
+                     stop_train_win_rate=check)

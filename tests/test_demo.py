@@ -27,7 +27,7 @@ def tiny_demo(tmp_path_factory):
         "--inference.kv_slots", "8192",
         "--inference.max_streams", "16", "--sft.steps", "2", "--sft.episodes", "8", "--sft.episodes_per_step", "4",
         "--sft.check_every", "1", "--sft.stop_train_win_rate", "1.0", "--sft.check_games", "2",
-        "--evaluation.expert_episodes", "4"])
+        "--sft.probe_episodes", "4"])
     summary = asyncio.run(run_demo(cfg))
     return summary, out / "run"
 

@@ -266,6 +266,25 @@ def test_no_trained_sample_is_staler_than_async_level(tmp_path):
     print("lag histograms:", [r["lag_histogram"] for r in rows], "stale dropped:", rows[-1]["stale_rollouts_dropped"])
 
 
+def test_a_time_budget_ends_the_run_and_held_out_evaluations_mark_its_gpu_seconds(tmp_path):
+    """run.time_budget_s ends the run after the step that spends it; the held-out games are played at the start and
+    at the end, each evaluation stamped with the GPU-seconds spent so far (its own time not counted); a resume from
+    the checkpoint that spent the budget trains nothing more."""
+    cfg = small(tmp_path, "budget", "--run.steps", "50", "--run.time_budget_s", "1e-6", "--evaluation.every", "10",
+                "--environment.num_eval", "2")
+    rows = asyncio.run(run(cfg, overlap=False))
+    assert [r["step"] for r in rows] == [0] and rows[0]["gpu_s"] > 0
+
+    def evals():
+        return [json.loads(x) for x in (tmp_path / "budget" / "eval.jsonl").read_text().splitlines()]
+
+    first = evals()
+    assert [(e["step"], e["split"], e["episodes"]) for e in first] == [(0, "eval", 2), (1, "eval", 2)]
+    assert first[0]["gpu_s"] == 0 and first[1]["gpu_s"] >= rows[0]["gpu_s"]
+    rows = asyncio.run(run(cfg, resume=True, overlap=False))
+    assert [r["step"] for r in rows] == [0] and evals() == first
+
+
 def run_cli(out, steps, *extra):
     return [sys.executable, "-m", "harness.run", "configs/demo.toml", "--run.output_dir", str(out), "--run.steps",
             str(steps), "--run.checkpoint_every", "2", "--orchestrator.group_size", "2",
@@ -320,6 +339,12 @@ def test_shipped_configs_validate(path):
 
         cfg = load_demo_config(os.path.join(ROOT, "configs", path))
         assert cfg.compaction.strategy == "sliding_window" and cfg.inference.kv_dtype == "kv4rl"
+        return
+    if path.endswith("gpu_small.toml"):  # bench.learning's: the RL sections plus sft / targets
+        from bench.learning import LearningConfig
+
+        cfg = load_config(os.path.join(ROOT, "configs", path), schema=LearningConfig)
+        assert cfg.compaction.strategy == "sliding_window" and cfg.evaluation.every and cfg.run.time_budget_s
         return
     cfg = load_config(os.path.join(ROOT, "configs", path))
     assert cfg.compaction.strategy in path or path == "demo.toml"

@@ -7,6 +7,7 @@ preset         generator                   settings                             
 ``short``      custom world (Python API)   3 rooms, 6 objects, quest length 5          5
 ``simple``     ``tw-simple``               dense rewards, detailed goal                8-12
 ``coin``       ``tw-coin_collector``       level 10: a chain of 10 rooms               10
+``coin25``     ``tw-coin_collector``       level 25: a chain of 25 rooms               25
 ``treasure``   ``tw-treasure_hunter``      level 15: 10 rooms, doors and containers    6
 ``cooking``    ``tw-cooking``              recipe 2, 6 rooms, open/cut/cook            10-11
 ``long``       ``tw-cooking``              recipe 3, 9 rooms, open/cut/cook            16-20
@@ -60,6 +61,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     Preset("coin", "tw-coin_collector", dict(level=10)),
     Preset("coin2", "tw-coin_collector", dict(level=2)),
     Preset("coin3", "tw-coin_collector", dict(level=3)),
+    Preset("coin25", "tw-coin_collector", dict(level=25)),  # the GPU learning bench: >= 20 expert turns
     Preset("treasure", "tw-treasure_hunter", dict(level=15)),
     _cooking("cooking", recipe=2, rooms=6),
     _cooking("long", recipe=3, rooms=9),

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Build the carry-able environments for the learning bench on the GPU device (Python 3.12, torch 2.11, no registry
+# there): TextWorld, ALFWorld and what the harness needs beyond the device image, plus the ALFWorld game archive.
+# Usage (in the project root, on your machine):  bash bench/device/env_bundle.sh [OUT_DIR=.devenv]
+# Produces OUT_DIR/whl/*.whl and OUT_DIR/alfworld-json_2.1.1-solvable.tar.xz (~25 MB together; the device's carry
+# limit is 64 MiB a call). OUT_DIR is ignored by git (.gitignore); carry it: bench/device/learning_check.sh installs
+# the wheels into /tmp/envsite once per machine. ALFWORLD_ARCHIVE: the archive, if not at ../shared/data/alfworld.
+# Why these are enough: textworld's wheel is py3-none-manylinux (Inform 7 and Glulx binaries, no CPython
+# extension); jericho and fast-downward-textworld are sdists on PyPI whose builds are pure Python around a ctypes
+# library (libfrotz.so, libdownward.so: no CPython ABI), so a wheel built here runs under the device's 3.12;
+# alfworld, tatsu, hashids, mementos, more-itertools, termcolor, prompt-toolkit, wcwidth are pure Python; spacy
+# (jericho's declared need) is imported only by jericho helpers the games never call. pydantic (+ core, cp312) is
+# not on the image (typing-extensions >= 4.14 comes along: pydantic-core imports its Sentinel); transformers 5.12.1 / tokenizers 0.22.2 are the versions the project is tested with (the
+# image has 5.17 / 0.23). numpy, networkx, tqdm, rich, matplotlib, torch come from the image.
+set -euo pipefail
+out="${1:-.devenv}"
+py="${PYTHON:-python3}"
+mkdir -p "$out/whl"
+"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d "$out/whl" \
+  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
+  transformers==5.12.1 tokenizers==0.22.2 \
+  textworld==1.7.0 alfworld==0.4.2 tatsu==5.8.3 hashids==1.3.1 mementos==1.3.1 more-itertools==11.2.1 \
+  termcolor==3.3.0 prompt-toolkit==3.0.53 wcwidth==0.9.4
+# sdists: built here (pip's wheel cache answers when `make setup` built them already). fast-downward-textworld's
+# build calls a bare `python`: the interpreter's own folder goes first on PATH.
+PATH="$(dirname "$(command -v "$py")"):$PATH" "$py" -m pip wheel -q --no-deps -w "$out/whl" \
+  jericho==3.3.1 fast-downward-textworld==20.6.4
+archive="${ALFWORLD_ARCHIVE:-$(cd "$(dirname "$0")/../.." && pwd)/../shared/data/alfworld/alfworld-json_2.1.1-solvable.tar.xz}"
+cp "$archive" "$out/"
+du -sh "$out"/whl "$out"/*.tar.xz

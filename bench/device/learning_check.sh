@@ -1,0 +1,54 @@
+#!/bin/bash
+# One-command H200 run of the learning bench (issue 24), from the repository root:
+#   bash bench/device/learning_check.sh textworld [STAGE ...]   # STAGE: all (default), sft, kv_streams, reprefill,
+#   bash bench/device/learning_check.sh alfworld [STAGE ...]    # full_context, report (bench/learning.py)
+# Needs .devenv (bash bench/device/env_bundle.sh here; carry .devenv): TextWorld, ALFWorld, pydantic, transformers
+# 5.12.1 as wheels plus the ALFWorld archive (~38 MB), installed into /tmp/envsite once per machine. No SGLang:
+# its bundle (52 MB) and these do not fit one call's 64 MiB, so rollouts run on the built-in engine.
+# State lives in /tmp/learning/ENV on the device: a stage already done there is skipped, an RL run cut by the time
+# limit resumes from its last checkpoint (the evaluation points are checkpoints), as long as the machine stays warm
+# between calls. Checkpoints never travel (the SFT model alone is ~300 MB); everything else comes back as
+# $OUT/learning_ENV_state.tar.xz: carry it as .devlearn/learning_ENV_state.tar.xz and a fresh machine starts from
+# it (finished runs kept; SFT done again, deterministically seeded, its hash recorded per run and compared).
+# Budget (estimates until a GPU run measures them): games, vocabulary and expert episodes ~2.5 min (TextWorld plays
+# its games under one process-wide lock), SFT steps and checks ~1-2 min, each RL run 75 s of GPU time + ~1 min of
+# evaluations and start-up. The bench stops at 530 s and writes its report: expect `all` to take two calls (call
+# again on the warm machine: it continues where it stopped).
+# Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, and
+# jit_cache.tar.xz (Triton's cache: carry it as .devcache/jit_cache.tar.xz to skip the compiles next time).
+set -o pipefail
+ENV=$1
+case $ENV in
+  textworld|alfworld) shift ;;
+  *) echo "usage: bash bench/device/learning_check.sh textworld|alfworld [STAGE ...]"; exit 2 ;;
+esac
+OUT=${OUT:-bench/results/check}
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
+if [ ! -f /tmp/envsite/.installed ]; then
+  [ -d .devenv/whl ] || { echo "environments missing: bash bench/device/env_bundle.sh, then carry .devenv"; exit 1; }
+  ${PYTHON:-python3} -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/envsite .devenv/whl/*.whl \
+    && touch /tmp/envsite/.installed || exit 1
+fi
+if [ "$ENV" = alfworld ] && [ ! -d /tmp/alfworld_data/json_2.1.1 ]; then
+  mkdir -p /tmp/alfworld_data && tar -xJf .devenv/alfworld-json_2.1.1-solvable.tar.xz -C /tmp/alfworld_data || exit 1
+fi
+if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then
+  tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch /tmp/.jit_restored && echo "JIT cache restored"
+fi
+STATE=/tmp/learning/$ENV
+if [ ! -d "$STATE" ] && [ -f ".devlearn/learning_${ENV}_state.tar.xz" ]; then
+  mkdir -p "$STATE" && tar -xJf ".devlearn/learning_${ENV}_state.tar.xz" -C "$STATE" && echo "state restored"
+fi
+export PYTHONPATH=/tmp/envsite:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+  ALFWORLD_DATA=/tmp/alfworld_data KVSTREAMS_CACHE=/tmp/kvstreams_cache \
+  LEARNING_DEVICE_COMMAND="bash bench/device/learning_check.sh $ENV $*"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+JSON="$OUT/learning_${ENV}_h200.json"
+# LEARNING_ARGS: config overrides for every stage (e.g. "--run.time_budget_s 150"); PYTHON: the interpreter
+BENCH=(${PYTHON:-python3} -m bench.learning --config "configs/$ENV/gpu_small.toml" --out-dir "$STATE" --json "$JSON")
+timeout 530 "${BENCH[@]}" --stage "${@:-all}" $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"
+rc=$?
+[ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
+tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights .
+(cd ~ && ls -d .triton/cache 2>/dev/null | xargs -r tar -cJf "$OUT/jit_cache.tar.xz")
+exit $rc

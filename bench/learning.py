@@ -1,0 +1,389 @@
+"""Learning curves per GPU-second (issue 24): held-out win rate against the GPU time spent training, for
+KV-streams + kv4rl vs re-prefill + BF16 vs full context + BF16, all from one SFT checkpoint.
+
+Stages, each skipped when an earlier call finished it (state under ``--out-dir``):
+
+1. ``sft``: the tokenizer (byte-level BPE learnt on the train split's expert episodes) and the random Qwen3
+   model (``[model.tiny]``, ``harness.run.prepare_model``), then SFT on expert episodes rendered under the
+   config's compaction (``harness.sft.warm_start``); the checkpoint's sha256 is recorded.
+2. ``kv_streams``, ``reprefill``, ``full_context``: async GRPO (``harness.run.run``) from that checkpoint,
+   same seed, same GPU-time budget (``run.time_budget_s``), each with the settings of ``RUNS`` over the
+   config. Each run evaluates the held-out splits (``[evaluation]``) at its start, every
+   ``evaluation.every`` steps and at its end; its GPU time is the wall time of its steps (rollouts and
+   training overlap; weight syncs; the drains before evaluations), evaluation excluded.
+3. the report (every call, whatever got done): ``--json`` (default ``OUT_DIR/learning.json``) with the
+   evaluation points, the commands, the config, the checkpoints' hashes and the targets of ``[targets]``
+   met or missed by how much, and a PNG beside it (win rate vs GPU-seconds, a line per run). Written
+   atomically.
+
+Rollouts run on the built-in engine (``kvstreams_sglang.engine``), not an SGLang server: the device's carry
+limit does not hold both the SGLang bundle and the environments' wheels (``bench/device/learning_check.sh``).
+
+The SFT checkpoint (hundreds of MB at ~100M parameters) never travels: a run stage needs ``OUT_DIR/sft/model``
+from an earlier stage of the same machine, or SFT is done again (same seed, same data); every run records the
+sha256 of the checkpoint it started from and the report says whether the three match.
+
+    python -m bench.learning --config configs/textworld/gpu_small.toml --out-dir runs/learning/textworld \\
+        [--stage all|sft|kv_streams|reprefill|full_context|report ...] [--json PATH] [--section.key value ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from pydantic import Field
+
+from harness import checkpoint
+from harness.config import Config, ConfigError, Section, apply_overrides, check_machine, load_config
+from harness.sft import SFTConfig
+
+# What each run changes in the config (dotted keys, as on the command line); the rest is shared.
+RUNS: dict[str, dict[str, str]] = {
+    "kv_streams": {"compaction.execution": "kv_streams", "inference.kv_dtype": "kv4rl"},
+    "reprefill": {"compaction.execution": "reprefill", "inference.kv_dtype": "bf16"},
+    "full_context": {"compaction.strategy": "full_context", "inference.kv_dtype": "bf16"},
+}
+STAGES = ("sft", *RUNS)
+
+
+class TargetsConfig(Section):
+    """Issue 24's targets; a report says of each whether it was met, and by how much it was missed."""
+
+    rl_lift: float = Field(0.10, description="kv_streams' final held-out win rate minus its SFT start (absolute)")
+    gpu_s_ratio: float = Field(0.5, gt=0, description="kv_streams' GPU-seconds to re-prefill's final win rate, "
+                               "over re-prefill's own (time to first reach it), at most this")
+    full_context_gap: float | None = Field(0.05, ge=0, description="kv_streams' final win rate at most this "
+                                           "below full_context's (None: not a target)")
+
+
+class LearningConfig(Config):
+    sft: SFTConfig = SFTConfig()
+    targets: TargetsConfig = TargetsConfig()
+
+
+def tree_sha256(path: str | Path) -> str:
+    """sha256 over a checkpoint directory: every file's relative name and bytes, in name order."""
+    h = hashlib.sha256()
+    root = Path(path)
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def write_json(path: Path, data) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    checkpoint.atomic_write_bytes(path, json.dumps(data, indent=1).encode())
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def run_config(cfg: LearningConfig, name: str, model_path: str, output_dir: Path) -> Config:
+    """The harness config of run ``name``: the shared config with ``RUNS[name]`` applied, from ``model_path``."""
+    data = cfg.model_dump(mode="json", exclude={"sft", "targets"})
+    settings = {**RUNS[name], "model.path": model_path, "run.output_dir": str(output_dir)}
+    return Config.model_validate(apply_overrides(data, [f"--{k}={v}" for k, v in settings.items()]))
+
+
+class LearningBench:
+    """The bench's state directory and its stages."""
+
+    def __init__(self, cfg: LearningConfig, out_dir: Path, console=None):
+        from rich.console import Console
+
+        from harness.run import resolve_device
+
+        self.cfg, self.out = cfg, Path(out_dir)
+        self.console = console or Console()
+        self.device = resolve_device(cfg.inference.device)
+
+    # --- stage 1 ---------------------------------------------------------------------------------------
+    @property
+    def sft_model(self) -> Path:
+        return self.out / "sft" / "model"
+
+    async def sft(self) -> dict:
+        """Tokenizer, model and SFT; ``sft/done.json`` (hashes, steps, losses, seconds). Kept when done and its
+        checkpoint is here; done again when only the record came back (another machine)."""
+        from transformers import AutoTokenizer
+
+        from envs.registry import make_taskset
+        from envs.rollout.chat import ChatRenderer
+        from harness.run import prepare_model
+        from harness.sft import warm_start
+
+        done = read_json(self.out / "sft" / "done.json")
+        if done is not None and (self.sft_model / "config.json").exists():
+            return done
+        self.console.rule("[bold]SFT: tokenizer, model, expert episodes" + (" (again: no checkpoint here)"
+                                                                           if done else ""))
+        t0 = time.perf_counter()
+        torch.manual_seed(self.cfg.run.seed)
+        (self.out / "sft" / "metrics.jsonl").unlink(missing_ok=True)  # an earlier machine's SFT log
+        self.out.mkdir(parents=True, exist_ok=True)
+        base = prepare_model(self.cfg, self.out)
+        e = self.cfg.environment
+        taskset = make_taskset(e.name, e.options)
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(base), taskset.make_env().system_prompt)
+        t_model = time.perf_counter() - t0
+        ws = await warm_start(self.cfg, self.cfg.sft, base, taskset, renderer, self.device, self.out / "sft",
+                              console=self.console)
+        close = getattr(taskset, "close", None)
+        if close is not None:
+            close()
+        record = {**asdict(ws), "base_sha256": tree_sha256(base), "sft_sha256": tree_sha256(ws.model_path),
+                  "parameters": parameter_count(base), "model_and_games_s": round(t_model, 1),
+                  "seconds": round(time.perf_counter() - t0, 1),
+                  "earlier_sft_sha256": (done or {}).get("earlier_sft_sha256", []) + (
+                      [done["sft_sha256"]] if done else [])}
+        write_json(self.out / "sft" / "done.json", record)
+        self.console.print(f"SFT checkpoint {ws.model_path}: sha256 {record['sft_sha256'][:16]}..., "
+                           f"{record['seconds']:.0f}s")
+        return record
+
+    # --- stage 2 ---------------------------------------------------------------------------------------
+    def run_dir(self, name: str) -> Path:
+        return self.out / "runs" / name
+
+    async def rl(self, name: str) -> dict:
+        """One RL run from the SFT checkpoint; resumed from its last checkpoint when an earlier call was cut."""
+        from harness.run import run
+
+        done = read_json(self.run_dir(name) / "done.json")
+        if done is not None:
+            return done
+        sft = await self.sft()
+        out = self.run_dir(name)
+        resume = checkpoint.has_checkpoint(out / "checkpoints")
+        self.console.rule(f"[bold]RL: {name} ({', '.join(f'{k} = {v}' for k, v in RUNS[name].items())})"
+                          + (" resumed" if resume else ""))
+        rcfg = run_config(self.cfg, name, str(self.sft_model), out)
+        t0 = time.perf_counter()
+        rows = await run(rcfg, resume=resume, overwrite=not resume, overlap=True)
+        record = {"sft_sha256": sft["sft_sha256"], "settings": RUNS[name], "steps": len(rows),
+                  "gpu_s": rows[-1]["gpu_s"] if rows else 0.0, "wall_s": round(time.perf_counter() - t0, 1),
+                  "resumed": resume}
+        write_json(out / "done.json", record)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return record
+
+    # --- stage 3 ---------------------------------------------------------------------------------------
+    def points(self, name: str) -> list[dict]:
+        """The run's evaluations, one point per step: win rate over all eval splits and per split."""
+        by_step: dict[int, dict] = {}
+        path = self.run_dir(name) / "eval.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+        for r in rows:
+            p = by_step.setdefault(r["step"], {"step": r["step"], "gpu_s": round(r["gpu_s"], 2), "splits": {}})
+            p["splits"][r["split"]] = {k: r[k] for k in ("episodes", "wins", "win_rate", "mean_reward",
+                                                          "mean_turns", "tokens_reprefilled", "peak_kv_tokens")}
+        for p in by_step.values():
+            s = p["splits"].values()
+            p["episodes"], p["wins"] = sum(x["episodes"] for x in s), sum(x["wins"] for x in s)
+            p["win_rate"] = p["wins"] / max(1, p["episodes"])
+        return [by_step[k] for k in sorted(by_step)]
+
+    def run_summary(self, name: str) -> dict:
+        path = self.run_dir(name) / "metrics.jsonl"
+        rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+        return {
+            "settings": RUNS[name], "done": read_json(self.run_dir(name) / "done.json"), "points": self.points(name),
+            "steps": len(rows), "gpu_s": rows[-1]["gpu_s"] if rows else 0.0,
+            "tokens_generated": sum(r["tokens_generated"] for r in rows),
+            "tokens_reprefilled": sum(r["tokens_reprefilled"] for r in rows),
+            "peak_live_kv_tokens": max((r["peak_live_kv_tokens"] for r in rows), default=0),
+            "rollout_s": round(sum(r["rollout_s"] for r in rows), 1),
+            "train_s": round(sum(r["train_s"] for r in rows), 1),
+            "max_lag": max((r["max_lag"] for r in rows), default=0),
+            "train_win_rate_last": rows[-1]["win_rate"] if rows else None,
+        }
+
+    def report(self, json_path: Path, commands: list[dict]) -> dict:
+        runs = {name: self.run_summary(name) for name in RUNS}
+        sft = read_json(self.out / "sft" / "done.json")
+        started_from = {n: (r["done"] or {}).get("sft_sha256") for n, r in runs.items()}
+        known = {h for h in started_from.values() if h}
+        report = {
+            "environment": self.cfg.environment.name,
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
+            "engine": "builtin (kvstreams_sglang.engine)",
+            "gpu_seconds": "wall seconds of each run's RL steps on the one device (rollouts and training, "
+                           "overlapped; weight syncs; drains before evaluations); held-out evaluation excluded",
+            "stages_done": [s for s in STAGES if (self.out / ("sft" if s == "sft" else f"runs/{s}") /
+                                                 "done.json").exists()],
+            "commands": commands,
+            "config": self.cfg.model_dump(mode="json"),
+            "checkpoints": {"base_sha256": (sft or {}).get("base_sha256"), "sft_sha256": (sft or {}).get("sft_sha256"),
+                            "runs_started_from": started_from, "same_sft_checkpoint": len(known) <= 1},
+            "sft": sft,
+            "runs": runs,
+            "targets": targets({n: r["points"] for n, r in runs.items()}, self.cfg.targets),
+        }
+        write_json(json_path, report)
+        plot(json_path.with_suffix(".png"), report)
+        return report
+
+
+def parameter_count(model_path: str | Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return sum(p.numel() for p in model.parameters())
+
+
+def first_reach(points: list[dict], win_rate: float) -> float | None:
+    """GPU-seconds at the first evaluation whose win rate is at least ``win_rate`` (None: never)."""
+    return next((p["gpu_s"] for p in points if p["win_rate"] >= win_rate - 1e-9), None)
+
+
+def targets(points: dict[str, list[dict]], t: TargetsConfig) -> dict:
+    """Each target: met (None when the runs cannot tell yet), the numbers, and what is short."""
+    kv, rp, fc = points["kv_streams"], points["reprefill"], points["full_context"]
+    out: dict[str, dict] = {}
+    if len(kv) >= 2:
+        lift = kv[-1]["win_rate"] - kv[0]["win_rate"]
+        out["rl_lift"] = {"target": t.rl_lift, "sft_win_rate": kv[0]["win_rate"], "final_win_rate": kv[-1]["win_rate"],
+                          "lift": lift, "met": lift >= t.rl_lift - 1e-9, "short_by": max(0.0, t.rl_lift - lift)}
+    else:
+        out["rl_lift"] = {"target": t.rl_lift, "met": None, "why": "kv_streams has fewer than 2 evaluations"}
+    if len(kv) >= 2 and len(rp) >= 2:
+        goal = rp[-1]["win_rate"]
+        t_rp, t_kv = first_reach(rp, goal), first_reach(kv, goal)
+        entry = {"target_max_ratio": t.gpu_s_ratio, "win_rate_to_reach": goal, "reprefill_gpu_s": t_rp,
+                 "kv_streams_gpu_s": t_kv}
+        if not t_rp:
+            entry.update(met=False, why="re-prefill's final win rate is its starting one: no time to compare")
+        elif t_kv is None:
+            best = max(p["win_rate"] for p in kv)
+            entry.update(met=False, why=f"kv_streams never reached it (best {best:.3f}, short by {goal - best:.3f})")
+        else:
+            ratio = t_kv / t_rp
+            entry.update(ratio=ratio, speedup=t_rp / t_kv if t_kv else None, met=ratio <= t.gpu_s_ratio + 1e-9,
+                         short_by=max(0.0, ratio - t.gpu_s_ratio))
+        out["gpu_s_to_reprefill_final"] = entry
+    else:
+        out["gpu_s_to_reprefill_final"] = {"target_max_ratio": t.gpu_s_ratio, "met": None,
+                                           "why": "kv_streams or reprefill has fewer than 2 evaluations"}
+    if t.full_context_gap is not None:
+        if len(kv) >= 2 and len(fc) >= 2:
+            gap = fc[-1]["win_rate"] - kv[-1]["win_rate"]
+            out["vs_full_context"] = {"target_max_gap": t.full_context_gap, "kv_streams_final": kv[-1]["win_rate"],
+                                      "full_context_final": fc[-1]["win_rate"], "gap": gap,
+                                      "met": gap <= t.full_context_gap + 1e-9,
+                                      "short_by": max(0.0, gap - t.full_context_gap)}
+        else:
+            out["vs_full_context"] = {"target_max_gap": t.full_context_gap, "met": None,
+                                      "why": "kv_streams or full_context has fewer than 2 evaluations"}
+    return out
+
+
+def plot(path: Path, report: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    styles = {"kv_streams": ("#c63", "KV-streams + kv4rl"), "reprefill": ("#69c", "re-prefill + BF16"),
+              "full_context": ("#777", "full context + BF16")}
+    for name, run in report["runs"].items():
+        pts = run["points"]
+        if pts:
+            color, label = styles[name]
+            ax.plot([p["gpu_s"] for p in pts], [p["win_rate"] for p in pts], marker="o", color=color, label=label)
+    splits = report["config"]["evaluation"]["splits"] or [report["config"]["environment"]["eval_split"]]
+    ax.set_xlabel(f"GPU-seconds ({report['device']})")
+    ax.set_ylabel(f"held-out win rate ({' + '.join(splits)}, greedy)")
+    ax.set_ylim(0, 1)
+    ax.set_title(f"{report['environment']}: learning per GPU-second", fontsize=10)
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                epilog="other --section.key value arguments override the config")
+    p.add_argument("--config", required=True, help="TOML: the harness's sections plus [sft] and [targets]")
+    p.add_argument("--out-dir", type=Path, required=True, help="state: model, SFT checkpoint, the runs")
+    p.add_argument("--json", type=Path, default=None, help="the report (default OUT_DIR/learning.json); PNG beside")
+    p.add_argument("--stage", nargs="+", default=["all"], choices=["all", *STAGES, "report"],
+                   help="stages to run if not done yet (all: every one, in order); the report is always written")
+    return p.parse_known_args(argv)
+
+
+async def main_async(args: argparse.Namespace, cfg: LearningConfig, command: str) -> dict:
+    bench = LearningBench(cfg, args.out_dir)
+    log = args.out_dir / "commands.jsonl"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stages = list(STAGES) if "all" in args.stage else [s for s in STAGES if s in args.stage]
+    with open(log, "a") as f:
+        f.write(json.dumps({"command": command, "stages": stages, "device_command": os.environ.get(
+            "LEARNING_DEVICE_COMMAND"), "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+    json_path = args.json or args.out_dir / "learning.json"
+    commands = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    try:
+        for stage in stages:
+            await (bench.sft() if stage == "sft" else bench.rl(stage))
+            bench.report(json_path, commands)
+    finally:
+        report = bench.report(json_path, commands)
+    bench.console.print(summary_table(report))
+    bench.console.print(f"report {json_path} and {json_path.with_suffix('.png')}")
+    return report
+
+
+def summary_table(report: dict):
+    from rich.table import Table
+
+    t = Table(title=f"{report['environment']}: held-out win rate (start -> final) per GPU-second")
+    for col in ("run", "evaluations", "start", "final", "GPU-s", "RL steps", "tokens re-prefilled"):
+        t.add_column(col, justify="right")
+    for name, run in report["runs"].items():
+        pts = run["points"]
+        t.add_row(name, str(len(pts)), f"{pts[0]['win_rate']:.3f}" if pts else "-",
+                  f"{pts[-1]['win_rate']:.3f}" if pts else "-", f"{run['gpu_s']:.1f}", str(run["steps"]),
+                  str(run["tokens_reprefilled"]))
+    verdict = {True: "met", False: "not met", None: "not measured"}
+    t.caption = "; ".join(f"{key}: {verdict[target['met']]}" for key, target in report["targets"].items())
+    return t
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args, overrides = parse_args(argv)
+    try:
+        cfg = load_config(args.config, overrides, schema=LearningConfig)
+        check_machine(cfg)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    asyncio.run(main_async(args, cfg, shlex.join(["python", "-m", "bench.learning", *argv])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

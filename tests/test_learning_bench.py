@@ -1,0 +1,107 @@
+"""``bench.learning`` (issue 24's learning curves) end to end at the smallest size, on the TextWorld GPU config:
+one SFT checkpoint, three RL runs from it with held-out evaluations against GPU-seconds, the report with its
+targets; a second call with the same state directory redoes nothing."""
+
+import asyncio
+import json
+
+import pytest
+
+from bench.learning import RUNS, STAGES, LearningConfig, main_async, parse_args, targets
+from harness.config import load_config
+
+
+def tiny_args(out, games, *stage):
+    argv = ["--config", "configs/textworld/gpu_small.toml", "--out-dir", str(out),
+            *(["--stage", *stage] if stage else []),
+            "--model.tiny.num_layers", "2", "--model.tiny.hidden_size", "32", "--model.tiny.intermediate_size", "64",
+            "--model.tiny.num_heads", "2", "--model.tiny.num_kv_heads", "1", "--model.tiny.vocab_size", "320",
+            "--inference.device", "cpu", "--inference.kv_slots", "8192", "--inference.max_streams", "8",
+            "--environment.options", f'{{presets = ["easy"], n_train = 4, n_eval = 2, max_steps = 4, '
+                                     f'cache_dir = "{games}", progress = false}}',
+            "--environment.num_eval", "2",
+            "--compaction.window_turns", "2",
+            "--orchestrator.group_size", "2", "--orchestrator.groups_per_step", "1",
+            "--orchestrator.oversubscription", "1", "--orchestrator.episode.max_turns", "4",
+            "--orchestrator.episode.max_new_tokens", "4", "--trainer.micro_batch_records", "1",
+            "--run.steps", "2", "--evaluation.every", "1",
+            "--sft.steps", "2", "--sft.episodes", "4", "--sft.episodes_per_step", "2", "--sft.check_every", "1",
+            "--sft.check_games", "2", "--sft.micro_batch_records", "1", "--sft.probe_episodes", "2"]
+    args, overrides = parse_args(argv)
+    return args, load_config(args.config, overrides, schema=LearningConfig)
+
+
+@pytest.fixture(scope="module")
+def bench_state(tmp_path_factory):
+    out, games = tmp_path_factory.mktemp("learning"), tmp_path_factory.mktemp("games")
+    args, cfg = tiny_args(out, games)
+    report = asyncio.run(main_async(args, cfg, "first call"))
+    return out, games, report
+
+
+def test_three_runs_from_one_sft_checkpoint_with_points_and_targets(bench_state):
+    out, _, report = bench_state
+    assert json.loads((out / "learning.json").read_text()) == report
+    assert (out / "learning.png").stat().st_size > 0
+    assert report["stages_done"] == list(STAGES)
+    assert list(report["runs"]) == list(RUNS)
+    sha = report["checkpoints"]["sft_sha256"]
+    assert len(sha) == 64 and report["checkpoints"]["runs_started_from"] == dict.fromkeys(RUNS, sha)
+    assert report["checkpoints"]["same_sft_checkpoint"]
+    for name, run in report["runs"].items():
+        assert run["settings"] == RUNS[name] and run["steps"] == 2
+        steps = [p["step"] for p in run["points"]]
+        assert steps == [0, 1, 2], name  # at the start, every step (evaluation.every 1), at the end
+        gpu_s = [p["gpu_s"] for p in run["points"]]
+        assert gpu_s[0] == 0 and gpu_s == sorted(gpu_s) and gpu_s[-1] > 0
+        assert all(p["episodes"] == 2 and 0 <= p["win_rate"] <= 1 for p in run["points"])
+    assert report["runs"]["kv_streams"]["tokens_reprefilled"] == 0
+    assert set(report["targets"]) == {"rl_lift", "gpu_s_to_reprefill_final", "vs_full_context"}
+    assert all(t["met"] in (True, False) for t in report["targets"].values())
+    assert report["config"]["run"]["time_budget_s"] == 75 and report["engine"].startswith("builtin")
+
+
+def test_a_second_call_skips_every_finished_stage(bench_state):
+    out, games, first = bench_state
+    done = sorted(out.glob("**/done.json"))
+    stamps = {p: p.stat().st_mtime_ns for p in done}
+    args, cfg = tiny_args(out, games)
+    report = asyncio.run(main_async(args, cfg, "second call"))
+    assert len(done) == 4 and {p: p.stat().st_mtime_ns for p in done} == stamps
+    assert report["runs"] == first["runs"] and report["checkpoints"] == first["checkpoints"]
+    assert [c["command"] for c in report["commands"]] == ["first call", "second call"]
+
+
+def test_targets_say_what_is_short():
+    def pts(*xs):
+        return [{"gpu_s": g, "win_rate": w} for g, w in xs]
+
+    t = targets({"kv_streams": pts((0, 0.2), (10, 0.5), (20, 0.6)), "reprefill": pts((0, 0.2), (30, 0.5), (60, 0.5)),
+                 "full_context": pts((0, 0.2), (40, 0.7))}, LearningConfig().targets)
+    assert t["rl_lift"]["met"] and t["rl_lift"]["lift"] == pytest.approx(0.4)
+    # re-prefill first reached its final 0.5 at 30 s, kv_streams at 10 s: a third of the GPU time
+    assert t["gpu_s_to_reprefill_final"]["ratio"] == pytest.approx(1 / 3) and t["gpu_s_to_reprefill_final"]["met"]
+    assert not t["vs_full_context"]["met"] and t["vs_full_context"]["short_by"] == pytest.approx(0.05)
+    t = targets({"kv_streams": pts((0, 0.2), (10, 0.3)), "reprefill": pts((0, 0.2), (30, 0.5)),
+                 "full_context": pts((0, 0.2), (40, 0.3))}, LearningConfig().targets)
+    assert t["rl_lift"]["short_by"] == pytest.approx(0.0) and t["rl_lift"]["met"]
+    assert not t["gpu_s_to_reprefill_final"]["met"] and "never reached" in t["gpu_s_to_reprefill_final"]["why"]
+
+
+def test_a_machine_without_the_checkpoint_does_sft_again_and_records_its_hash(bench_state):
+    """What a fresh device machine sees when the state came back without the checkpoint (it never travels):
+    the next run's stage does SFT again (same seed, same data) and records the hash it started from."""
+    import shutil
+
+    out, games, first = bench_state
+    shutil.rmtree(out / "sft" / "model")
+    shutil.rmtree(out / "model")
+    shutil.rmtree(out / "runs" / "full_context")
+    args, cfg = tiny_args(out, games, "full_context")
+    report = asyncio.run(main_async(args, cfg, "third call"))
+    ck = report["checkpoints"]
+    assert report["sft"]["earlier_sft_sha256"] == [first["checkpoints"]["sft_sha256"]]
+    assert ck["runs_started_from"]["full_context"] == ck["sft_sha256"]
+    # on the CPU, SFT again gives the same bytes (a GPU's may differ: the report would say so)
+    assert ck["sft_sha256"] == first["checkpoints"]["sft_sha256"] and ck["same_sft_checkpoint"]
+    assert [p["step"] for p in report["runs"]["full_context"]["points"]] == [0, 1, 2]
