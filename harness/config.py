@@ -60,11 +60,22 @@ class InferenceConfig(EngineConfig):
     url: str | None = Field(None, description="SGLang server URL (engine = sglang)")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="engine device; under torchrun e.g. cuda:2 (trainer ranks use cuda:LOCAL_RANK)")
+    weight_sync: Literal["disk", "distributed"] = Field(
+        "disk", description="engine = sglang: how the trainer's weights reach the server, with flush_cache=False "
+        "either way: 'disk' (a safetensors file the server loads) or 'distributed' (broadcast over a process "
+        "group with the server's ranks: SGLang's init_weights_update_group / update_weights_from_distributed; "
+        "NCCL from a GPU trainer, gloo from a CPU one)")
+    weight_sync_address: str = Field("127.0.0.1", description="weight_sync = distributed: the address the "
+                                     "server's ranks reach the trainer at (rank 0 of the group)")
+    weight_sync_port: int = Field(0, ge=0, le=65535, description="its port (0: a free one)")
 
     @model_validator(mode="after")
     def _url(self) -> InferenceConfig:
         if self.engine == "sglang" and not self.url:
             raise ValueError("inference.engine = 'sglang' needs inference.url")
+        if self.weight_sync == "distributed" and self.engine != "sglang":
+            raise ValueError("inference.weight_sync = 'distributed' is for an SGLang server (engine = 'sglang'); "
+                             "the built-in engine takes the weights in process")
         return self
 
 

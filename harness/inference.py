@@ -17,6 +17,8 @@ import torch
 from envs.rollout.client import BuiltinClient
 
 from .config import InferenceConfig
+from .distributed import trainer_device
+from .weight_broadcast import WeightBroadcast, unique_tensors
 
 
 class BuiltinInference:
@@ -44,12 +46,14 @@ class SGLangInference:
     """An SGLang server launched with ``--enable-kv-streams`` (and ``--kv4rl`` iff
     ``inference.kv_dtype = "kv4rl"``) on the same model as the trainer."""
 
-    def __init__(self, cfg: InferenceConfig, model_path: str, out: Path):
+    def __init__(self, cfg: InferenceConfig, model_path: str, out: Path, trainer_device: torch.device | None = None):
         from kvstreams_sglang.sglang_ext.client import SGLangClient
 
         self.cfg, self.model_path = cfg, Path(model_path)
         self.client = SGLangClient(cfg.url, kv_dtype=cfg.kv_dtype)
         self.weights_dir = out / "weights"
+        self.trainer_device = trainer_device or torch.device("cpu")  # where broadcast weights are sent from
+        self.broadcast: WeightBroadcast | None = None
 
     async def start(self) -> None:
         info = await self.client.pool_info()
@@ -57,6 +61,12 @@ class SGLangInference:
         if kv4 != (self.cfg.kv_dtype == "kv4rl"):
             raise RuntimeError(f"inference.kv_dtype = {self.cfg.kv_dtype!r} but the SGLang server at {self.cfg.url} "
                                f"runs {info['pool']} (launch it {'with' if not kv4 else 'without'} --kv4rl)")
+        if self.cfg.weight_sync == "distributed" and self.broadcast is None:
+            server = await self.client.server_info()
+            ranks = int(server.get("tp_size") or 1) * int(server.get("pp_size") or 1)
+            self.broadcast = WeightBroadcast(self.client, address=self.cfg.weight_sync_address,
+                                             port=self.cfg.weight_sync_port, server_ranks=ranks)
+            await self.broadcast.start(self.trainer_device)
 
     def _write(self, state_dict: dict[str, torch.Tensor], version: int) -> Path:
         from safetensors.torch import save_file
@@ -68,12 +78,7 @@ class SGLangInference:
         for name in ("config.json", "generation_config.json"):
             if (self.model_path / name).exists():
                 shutil.copy(self.model_path / name, tmp / name)
-        weights, seen = {}, set()
-        for k, v in state_dict.items():  # tied weights (lm_head = embeddings) are written once, as HF does
-            if v.data_ptr() in seen:
-                continue
-            seen.add(v.data_ptr())
-            weights[k] = v.detach().to("cpu").contiguous()
+        weights = {k: v.detach().to("cpu").contiguous() for k, v in unique_tensors(state_dict).items()}
         save_file(weights, tmp / "model.safetensors")
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
@@ -82,7 +87,10 @@ class SGLangInference:
         return target
 
     async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        await self.client.update_weights_from_disk(str(self._write(state_dict, version)), version)
+        if self.broadcast is not None:
+            await self.broadcast.push(state_dict, version)
+        else:
+            await self.client.update_weights_from_disk(str(self._write(state_dict, version)), version)
 
     def metrics(self) -> dict:
         """Cumulative (``SGLangClient.stats``): turns served, turns of episodes carried across weight
@@ -92,10 +100,13 @@ class SGLangInference:
         return {f"sglang_{k}": v for k, v in self.client.stats.items()}
 
     async def close(self) -> None:
+        if self.broadcast is not None:
+            await self.broadcast.close()
+            self.broadcast = None
         await self.client.aclose()
 
 
 def make_inference(cfg: InferenceConfig, model_path: str, device: torch.device, out: Path):
     if cfg.engine == "sglang":
-        return SGLangInference(cfg, model_path, out)
+        return SGLangInference(cfg, model_path, out, trainer_device=trainer_device(device))
     return BuiltinInference(cfg, model_path, device)

@@ -74,9 +74,9 @@ METRIC_SUMS = ("mismatch_abs", "mismatch_kl_k3", "tis_clipped", "kl_ref", "token
                "onpolicy_tokens")
 
 
-def free_port() -> int:
+def free_port(address: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((address, 0))
         return s.getsockname()[1]
 
 

@@ -331,11 +331,12 @@ def kv4rl_server(tiny_model_path, tmp_path_factory):
         server.wait(timeout=60)
 
 
-def test_a_stream_keeps_its_kv_across_a_weight_update_from_disk(kv4rl_server, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
+def test_a_stream_keeps_its_kv_across_a_weight_update(kv4rl_server, tiny_model_path, tmp_path, weight_sync):
     """The harness's weight sync in a fixed order: a stream takes a turn, is compacted in place, the trainer's
-    (changed) weights reach the server from disk with flush_cache=False, and the stream's next turn finds every
-    kept token cached (nothing re-prefilled); the turn counts as one across an update and its tokens carry the
-    new policy version."""
+    (changed) weights reach the server with flush_cache=False -- from disk, or broadcast over a (gloo) process
+    group with the server's rank -- and the stream's next turn finds every kept token cached (nothing
+    re-prefilled); the turn counts as one across an update and its tokens carry the new policy version."""
     import asyncio
 
     from harness.config import InferenceConfig
@@ -345,8 +346,8 @@ def test_a_stream_keeps_its_kv_across_a_weight_update_from_disk(kv4rl_server, ti
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     changed = {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
-    inference = SGLangInference(InferenceConfig(engine="sglang", url=kv4rl_server, kv_dtype="kv4rl"),
-                                str(tiny_model_path), tmp_path)
+    inference = SGLangInference(InferenceConfig(engine="sglang", url=kv4rl_server, kv_dtype="kv4rl",
+                                                weight_sync=weight_sync), str(tiny_model_path), tmp_path)
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
 
     async def episode():
@@ -372,6 +373,52 @@ def test_a_stream_keeps_its_kv_across_a_weight_update_from_disk(kv4rl_server, ti
                          tokens_reprefilled=0), stats
     versions = [v for v, s in zip(record.policy_versions, record.sources, strict=True) if s == "model"]
     assert versions == [0] * sum(len(g.token_ids) for g in old) + [1] * len(new.token_ids)
+
+
+def test_broadcast_weights_equal_the_same_weights_from_disk(kv4rl_server, tiny_model_path, tmp_path):
+    """``weight_sync = distributed`` delivers exactly the trainer's tensors: a fresh stream's logprobs after a
+    broadcast of changed weights equal those after loading the same weights from disk, and differ from the
+    original model's."""
+    import asyncio
+
+    from harness.config import InferenceConfig
+    from harness.inference import SGLangInference
+    from kvstreams_sglang.engine import SamplingParams
+
+    original = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).state_dict()
+    g = torch.Generator().manual_seed(1)
+    changed = {k: v + 0.02 * torch.randn(v.shape, generator=g) for k, v in original.items()}
+    cfg = dict(engine="sglang", url=kv4rl_server, kv_dtype="kv4rl")
+    net = SGLangInference(InferenceConfig(**cfg, weight_sync="distributed"), str(tiny_model_path), tmp_path / "a")
+    disk = SGLangInference(InferenceConfig(**cfg), str(tiny_model_path), tmp_path / "b")
+    params = SamplingParams(max_new_tokens=5, temperature=0.0)
+
+    async def logprobs(inference):
+        c = inference.client
+        sid = await c.open(script.PROMPT)
+        out = await c.generate(sid, params)
+        await c.close(sid)
+        return out.token_ids, torch.tensor(out.logprobs, dtype=torch.float64)
+
+    async def run():
+        await net.start()
+        await disk.start()
+        version = net.client.policy_version
+        await disk.update_weights(original, version + 1)
+        before = await logprobs(disk)
+        await net.update_weights(changed, version + 2)
+        by_net = await logprobs(net)
+        await disk.update_weights(changed, version + 3)
+        by_disk = await logprobs(disk)
+        await disk.update_weights(original, version + 4)  # the shared server as the other tests expect it
+        await net.close()
+        await disk.close()
+        return before, by_net, by_disk
+
+    before, by_net, by_disk = asyncio.run(run())
+    assert by_net[0] == by_disk[0] and torch.allclose(by_net[1], by_disk[1], atol=1e-5, rtol=0)
+    assert (by_net[1] - before[1]).abs().max() > 1e-3 or by_net[0] != before[0]
+    assert_serves_and_pool_whole(kv4rl_server)
 
 
 def test_a_stream_opened_after_a_weight_update_does_not_reuse_old_prompt_kv(kv4rl_server, tiny_model_path, tmp_path):

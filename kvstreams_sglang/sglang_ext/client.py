@@ -389,5 +389,35 @@ class SGLangClient(_Streams):
             raise RuntimeError(f"SGLang weight update failed: {out}")
         self.policy_version = version
 
+    async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, *,
+                                        group_name: str, backend: str) -> None:
+        """The server's ranks join a process group (ranks 1..) whose rank 0 is the caller, who must join it
+        concurrently (``harness.weight_broadcast``)."""
+        out = await self._post("/init_weights_update_group", dict(
+            master_address=master_address, master_port=master_port, rank_offset=1, world_size=world_size,
+            group_name=group_name, backend=backend))
+        if not out.get("success", False):
+            raise RuntimeError(f"SGLang init_weights_update_group failed: {out}")
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        out = await self._post("/destroy_weights_update_group", dict(group_name=group_name))
+        if not out.get("success", False):
+            raise RuntimeError(f"SGLang destroy_weights_update_group failed: {out}")
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              version: int, *, group_name: str) -> None:
+        """Receive new weights by broadcast from rank 0 of ``group_name`` (the caller broadcasts them, in this
+        order, concurrently), without flushing: every stream keeps its KV."""
+        out = await self._post("/update_weights_from_distributed", dict(
+            names=names, dtypes=dtypes, shapes=shapes, group_name=group_name, flush_cache=False,
+            weight_version=str(version)))
+        if not out.get("success", False):
+            raise RuntimeError(f"SGLang weight update failed: {out}")
+        self.policy_version = version
+
+    async def server_info(self) -> dict:
+        """SGLang's ``/server_info`` (its server arguments and state)."""
+        return await self.http.get("/server_info")
+
     async def pool_info(self) -> dict:
         return await self._post("/kvstreams/pool_info", {})

@@ -17,12 +17,18 @@ class JsonPoster:
         self._http = None
 
     async def post(self, route: str, payload: dict):
+        return await self._request("post", route, json=payload)
+
+    async def get(self, route: str):
+        return await self._request("get", route)
+
+    async def _request(self, method: str, route: str, **kwargs):
         import aiohttp
 
         if self._http is None:
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s),
                                                connector=aiohttp.TCPConnector(force_close=True, limit=0))
-        async with self._http.post(self.base_url + route, json=payload) as resp:
+        async with self._http.request(method, self.base_url + route, **kwargs) as resp:
             text = await resp.text()
             body = json.loads(text) if text else None
             if resp.status != 200:
