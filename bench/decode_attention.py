@@ -438,10 +438,16 @@ def _extend_row(b, length, n, hq, hkv, d, device):
     kn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
     vn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
     qo = torch.arange(b + 1, device=device, dtype=torch.int32) * n
-    ms = triton.testing.do_bench(lambda: kv4_extend(q, kn, vn, qo, cache, idx["kv_indptr"], idx["kv_indices"],
-                                                    idx["side_indptr"], idx["side_indices"], max_new_tokens=n),
-                                 warmup=25, rep=200, return_mode="median")
-    row = dict(batch=b, prefix=length, new=n, kv4_extend_ms=ms, new_tokens_per_s=b * n / ms * 1e3)
+    def kv4(splits=None):
+        return kv4_extend(q, kn, vn, qo, cache, idx["kv_indptr"], idx["kv_indices"], idx["side_indptr"],
+                          idx["side_indices"], max_new_tokens=n, splits=splits)
+
+    ms = triton.testing.do_bench(kv4, warmup=25, rep=200, return_mode="median")
+    one = triton.testing.do_bench(lambda: kv4(1), warmup=25, rep=200, return_mode="median")
+    from kvstreams_sglang.kernels.extend import extend_splits
+    row = dict(batch=b, prefix=length, new=n, kv4_extend_ms=ms, new_tokens_per_s=b * n / ms * 1e3,
+               splits=extend_splits(triton.cdiv(n, 64 // (hq // hkv)) * b * hkv, b * n, hq, d, device),
+               kv4_extend_unsplit_ms=one, split_speedup=one / ms)
     try:
         import flashinfer
     except ImportError:
@@ -459,10 +465,12 @@ def _extend_row(b, length, n, hq, hkv, d, device):
     return row
 
 
-def extend_bench(shapes=((1, 8192, 1024), (4, 4096, 512), (8, 2048, 256)), hq=32, hkv=8, d=128, out=None):
+def extend_bench(shapes=((1, 8192, 1024), (4, 4096, 512), (8, 2048, 256), (1, 3072, 231), (2, 4096, 128),
+                         (1, 8192, 64), (4, 2048, 32)), hq=32, hkv=8, d=128, out=None):
     """Extend/prefill: ``kv4_extend`` (B requests, each a prefix of L cached tokens in KV4 plus n new tokens
-    attending causally) vs FlashInfer's BF16 prefill on the same tokens held contiguous in BF16 (one
-    ``single_prefill_with_kv_cache`` per request, causal aligned to the end), in one process."""
+    attending causally; split-K as shipped and unsplit) vs FlashInfer's BF16 prefill on the same tokens held
+    contiguous in BF16 (one ``single_prefill_with_kv_cache`` per request, causal aligned to the end), in one
+    process."""
     rows = []
     for b, length, n in shapes:
         rows.append(_extend_row(b, length, n, hq, hkv, d, torch.device("cuda")))

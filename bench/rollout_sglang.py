@@ -166,6 +166,8 @@ def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
     else:
         flags += ["--mem-fraction-static", str(a.mem_fraction), "--cuda-graph-max-bs-decode",
                   str(a.max_running_requests)]
+        if a.prefill_graph != "default":
+            flags += ["--cuda-graph-backend-prefill", a.prefill_graph]
         env = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
     return Server(cfg, a.model, port, log_dir / f"server_{setup.name}.log", flags=flags, env=env)
 
@@ -535,6 +537,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "row with the Qwen3-4B shape)")
     g.add_argument("--free-rows", type=int, default=32,
                    help="request rows the admission keeps free (see the module docstring)")
+    g.add_argument("--prefill-graph", default="default", choices=("default", "breakable", "disabled"),
+                   help="every server's --cuda-graph-backend-prefill (default: SGLang's choice, breakable on CUDA: "
+                        "each layer's attention runs eagerly between graph segments)")
     g.add_argument("--max-total-tokens", type=int, default=12288, help="KV pool tokens on a CPU (--device cpu)")
     g = p.add_argument_group("episodes")
     g.add_argument("--data", type=Path, default=DATA)
@@ -622,7 +627,8 @@ def merge(parts: list[Path], out: Path) -> dict:
     (settings.episodes, seed, template), or the comparison would not be of the same work."""
     results = [json.loads(p.read_text()) for p in parts]
     first = results[0]
-    key = ("episodes", "seed", "template", "window", "markovian_turns", "length_scale", "mem_fraction_static")
+    key = ("episodes", "seed", "template", "window", "markovian_turns", "length_scale", "mem_fraction_static",
+           "prefill_graph")
     for p, r in zip(parts[1:], results[1:], strict=True):
         diff = [k for k in key if r["settings"].get(k) != first["settings"].get(k)]
         if diff:
@@ -678,8 +684,9 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
     result = dict(header(a, argv), study="rollouts", settings=dict(
         configs=a.configs, strategies=strategies, mem_fraction_static=a.mem_fraction if a.device != "cpu" else None,
         max_total_tokens=a.max_total_tokens if a.device == "cpu" else None,
-        max_running_requests=a.max_running_requests, length_scale=a.length_scale, window=a.window,
-        markovian_turns=a.markovian_turns, summary_turns=a.summary_turns, summary_tokens=a.summary_tokens,
+        max_running_requests=a.max_running_requests, prefill_graph=a.prefill_graph,
+        length_scale=a.length_scale, window=a.window, markovian_turns=a.markovian_turns,
+        summary_turns=a.summary_turns, summary_tokens=a.summary_tokens,
         warmup_s=a.warmup, duration_s=a.duration, budget_s=a.budget_s, seed=a.seed, template=dataclasses.asdict(
             template), episodes=dict(count=len(specs), turns=length_stats([len(e.turns) for e in specs]),
                                      total_tokens=length_stats([e.total for e in specs]),

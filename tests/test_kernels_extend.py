@@ -16,14 +16,24 @@ from kvstreams_sglang.kv4.reference import extend_reference
         ([150], [1], 6, 3),  # one new token behaves like decode
     ],
 )
-def test_extend_kernel_matches_reference(prefix, new, hq, hkv, device):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_extend_kernel_matches_reference(prefix, new, hq, hkv, splits, device):
     cache, meta, _ = filled_cache(prefix, hkv=hkv, seed=sum(new), device=device)
     n = sum(new)
     qo_indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
     q, k_new, v_new = (torch.randn(n, h, 128, device=device) for h in (hq, hkv, hkv))
-    out = kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, block_r=16, block_n=32)
+    out = kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, block_r=16, block_n=32, splits=splits)
     ref = extend_reference(q, k_new, v_new, qo_indptr, cache, **meta)
     assert rel_l2(out, ref) <= 1e-3
+
+
+def test_extend_splits_fill_the_gpu_within_the_scratch_cap():
+    from kvstreams_sglang.kernels.extend import extend_splits
+
+    cpu = torch.device("cpu")  # 4 "SMs" on CPU: 8 programs wanted
+    assert extend_splits(1, 10, 4, 128, cpu) == 8
+    assert extend_splits(100, 10, 4, 128, cpu) == 1  # a full grid is not split
+    assert extend_splits(1, 1 << 16, 32, 128, cpu) == 1  # a long prefill would need > 64 MiB of partials
 
 
 def test_extend_rejects_mismatched_new_kv():

@@ -591,6 +591,41 @@ def test_evict_refuses_spans_that_are_not_integer_pairs(kv4rl_server):
     assert_serves_and_pool_whole(kv4rl_server)
 
 
+def test_a_turn_carrying_a_refused_eviction_does_not_run(kv4rl_server):
+    """The fast path's refusals: a turn whose eviction (``custom_params.kvstreams_evict``) reaches into the shared
+    prefix, has an odd length, holds floats, or rides on a request that is not a stream's turn answers 400 with the
+    reason; the stream is as it was and its next turn finds every kept token cached."""
+    from kvstreams_sglang.engine import SamplingParams
+
+    async def episode(c):
+        sid = await c.open(script.PROMPT, shared_prefix_len=8)
+        await c.generate(sid, SamplingParams(max_new_tokens=6, temperature=0.0))
+        session = c.session_id(sid)
+        before = await c._post("/kvstreams/session_info", dict(session_id=session))
+
+        def turn(flat, session_params=True):
+            payload = dict(input_ids=[5, 6], sampling_params=dict(max_new_tokens=1, custom_params={
+                "kvstreams_evict": flat}))
+            if session_params:
+                payload["session_params"] = {"id": session}
+            return post(kv4rl_server, "/generate", payload)
+
+        answers = [turn([2, 4]), turn([9, 12, 14]), turn([9.5, 12.0]), turn([9, 12], session_params=False)]
+        after = await c._post("/kvstreams/session_info", dict(session_id=session))
+        await c.append(sid, [7, 8])
+        _, meta = await c._run(c._generate(sid, SamplingParams(max_new_tokens=2, temperature=0.0)))
+        await c.close(sid)
+        return answers, before, after, meta
+
+    (answers, before, after, meta), stats = run_client(kv4rl_server, episode)
+    reasons = ["reaches into the shared prefix", "an even length", "integers", "rides only with a turn"]
+    for (status, body), reason in zip(answers, reasons, strict=True):
+        assert status == 400 and reason in json.dumps(body), (status, body)
+    assert after == before
+    assert meta["cached_tokens"] == before["live_tokens"] and stats["cached_tokens_lost"] == 0
+    assert_serves_and_pool_whole(kv4rl_server)
+
+
 def test_harness_trains_textworld_on_an_sglang_server(kv4rl_server, tiny_model_path, tmp_path):
     """Three trainer steps on real TextWorld games against the kv4rl + kv-streams SGLang server: weights go over
     with flush_cache=False, compaction evicts in place, and nothing is re-prefilled."""
@@ -662,8 +697,8 @@ def test_an_aborted_turn_leaves_the_stream_as_it_was(kv4rl_server):
 
 
 def test_random_stream_operations_leave_the_pool_whole(kv4rl_server):
-    """Random opens (private prompts, shared prompts, siblings), turns, prefills, evictions and closes against the
-    server, every step checked against the client's ledger: every turn finds every kept token cached, the server's
+    """Random opens (private prompts, shared prompts, siblings), turns, prefills, evictions (carried by the next turn,
+    or sent on their own) and closes against the server, every step checked against the client's ledger: every turn finds every kept token cached, the server's
     view of each stream equals the ledger's, and once all streams are closed the pool is whole; a flush then frees
     every slot."""
     import random
@@ -702,6 +737,9 @@ def test_random_stream_operations_leave_the_pool_whole(kv4rl_server):
                 while j < len(live) and j - i < 6 and live[j] == live[j - 1] + 1:
                     j += 1
                 await c.evict(sid, [(live[i], live[j - 1] + 1)])
+                if rng.random() < 0.5:
+                    continue  # the eviction rides with the stream's next turn, checked after it
+                await c.sync(sid)  # sent on its own
             elif op == "close":
                 open_.remove(sid)
                 await c.close(sid)

@@ -1,10 +1,16 @@
 """Extend/prefill kernel: new tokens attend to the quantised cached prefix (INT4 and INT8
 regions, INT8 query as in decode) and, in full precision, causally to each other.
 
-Grid ``(query blocks, B, Hkv)``. A program's rows are (token, query head) pairs of one KV
-head: ``BLOCK_R`` rows = ``BLOCK_R // GROUP`` tokens x ``GROUP`` heads, so GQA heads share
+Grid ``(query blocks, B x splits, Hkv)``. A program's rows are (token, query head) pairs of one
+KV head: ``BLOCK_R`` rows = ``BLOCK_R // GROUP`` tokens x ``GROUP`` heads, so GQA heads share
 every K/V tile. The three key sets (INT4 prefix, INT8 prefix, new tokens) are folded into
 one online softmax, which is the exact LSE merge done incrementally.
+
+Split-K: an agent's turn is a few hundred new tokens on a prefix of thousands, so the grid
+has ~100 programs that each walk the whole prefix: the H200's 132 SMs sit at one program each,
+latency bound. With ``splits > 1`` each program takes one contiguous chunk of the INT4 prefix
+(the last split also takes the INT8 region and the new tokens), writes its normalised partial
+output and log2-sum-exp, and ``_merge_splits_kernel`` combines them exactly (flash-decoding).
 Reference: ``kv4.reference.extend_reference``.
 """
 
@@ -27,13 +33,14 @@ def _extend_kernel(
     KvIndptr, KvIndices, SideIndptr, SideIndices,
     KCodes, KMeta, VCodes, VMeta, KSide, KSideScale, VSide, VSideScale,
     stride_cs, stride_ch, stride_ms, stride_mh, stride_ss, stride_sh, stride_scs, stride_sch,
-    Out, stride_ot, stride_oh,
+    Out, stride_os, stride_ot, stride_oh, Lse, stride_ls, stride_lt,
     sm_scale_log2,
     GROUP: tl.constexpr, TOK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, DOT_PREC: tl.constexpr,
+    HALF: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr,
 ):
     mb = tl.program_id(0)
-    b = tl.program_id(1)
+    b = tl.program_id(1) // SPLITS
+    split = tl.program_id(1) % SPLITS
     hk = tl.program_id(2)
     q_start = tl.load(QoIndptr + b)
     n_new = tl.load(QoIndptr + b + 1) - q_start
@@ -57,13 +64,16 @@ def _extend_kernel(
     acc_lo = tl.zeros([BLOCK_R, HALF], tl.float32)
     acc_hi = tl.zeros([BLOCK_R, HALF], tl.float32)
 
-    # ---- INT4 prefix ----
+    # ---- INT4 prefix: this split's chunk (BLOCK_N-aligned) ----
     start = tl.load(KvIndptr + b)
     length = tl.load(KvIndptr + b + 1) - start
+    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, length)
     acc_off = tl.zeros([BLOCK_R], tl.float32)
-    for n0 in range(0, length, BLOCK_N):
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        nmask = n < length
+        nmask = n < hi
         slot = tl.load(KvIndices + start + n, mask=nmask, other=0).to(tl.int64)
         m_i, l_i, acc_lo, acc_hi, acc_off = int4_tile(
             q8_lo, q8_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nmask, hk,
@@ -71,17 +81,18 @@ def _extend_kernel(
     acc_lo += acc_off[:, None]
     acc_hi += acc_off[:, None]
 
-    # ---- INT8 prefix ----
-    m_i, l_i, acc_lo, acc_hi = int8_region(
-        q8_lo, q8_hi, qs, m_i, l_i, acc_lo, acc_hi, SideIndptr, SideIndices, b, hk,
-        KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, BLOCK_N, HALF)
+    # ---- INT8 prefix (last split) ----
+    if split == SPLITS - 1:
+        m_i, l_i, acc_lo, acc_hi = int8_region(
+            q8_lo, q8_hi, qs, m_i, l_i, acc_lo, acc_hi, SideIndptr, SideIndices, b, hk,
+            KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, BLOCK_N, HALF)
 
-    # ---- new tokens, full precision, causal ----
+    # ---- new tokens, full precision, causal (last split) ----
     q_ptr = Q + t[:, None] * stride_qt + qh[:, None] * stride_qh + d[None, :]
     q_lo = tl.load(q_ptr, mask=rmask[:, None], other=0.0)
     q_hi = tl.load(q_ptr + HALF, mask=rmask[:, None], other=0.0)
     fs = sm_scale_log2
-    kv_end = tl.minimum(n_new, mb * TOK + TOK)
+    kv_end = tl.where(split == SPLITS - 1, tl.minimum(n_new, mb * TOK + TOK), 0)
     for j0 in range(0, kv_end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         jmask = j < kv_end
@@ -101,19 +112,67 @@ def _extend_kernel(
         acc_hi += tl.dot(pv, v_hi, input_precision=DOT_PREC)
 
     denom = tl.where(l_i > 0, l_i, 1.0)
-    o_ptr = Out + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :]
+    o_ptr = Out + split * stride_os + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr, (acc_lo / denom[:, None]).to(Out.dtype.element_ty), mask=rmask[:, None])
     tl.store(o_ptr + HALF, (acc_hi / denom[:, None]).to(Out.dtype.element_ty), mask=rmask[:, None])
+    if SPLITS > 1:  # the split's log2-sum-exp (-inf when it saw no key) for the merge
+        lse = tl.where(l_i > 0, m_i + tl.log2(denom), float("-inf"))
+        tl.store(Lse + split * stride_ls + t * stride_lt + qh, lse, mask=rmask)
+
+
+@triton.jit
+def _merge_splits_kernel(Part, Lse, Out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
+                         num_heads, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_H: tl.constexpr,
+                         D: tl.constexpr):
+    """``out[t, h] = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M)``: the exact merge of the splits."""
+    t = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < num_heads
+    s = tl.arange(0, SPLITS_P2)
+    lse = tl.load(Lse + s[:, None] * stride_ls + t * stride_lt + h[None, :],
+                  mask=(s[:, None] < SPLITS) & hmask[None, :], other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    d = tl.arange(0, D)
+    acc = tl.zeros([BLOCK_H, D], tl.float32)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    for i in tl.static_range(SPLITS):
+        lse_i = tl.load(Lse + i * stride_ls + t * stride_lt + h, mask=hmask, other=float("-inf"))
+        w = tl.exp2(lse_i - m)
+        part = tl.load(Part + i * stride_ps + t * stride_pt + h[:, None] * stride_ph + d[None, :], mask=hmask[:, None],
+                       other=0.0)
+        acc += w[:, None] * part.to(tl.float32)
+        total += w
+    total = tl.where(total > 0, total, 1.0)
+    tl.store(Out + t * stride_ot + h[:, None] * stride_oh + d[None, :], (acc / total[:, None]).to(Out.dtype.element_ty),
+             mask=hmask[:, None])
+
+
+_PARTIAL_BYTES = 64 << 20  # cap on the split partials' scratch (fp32 outputs of every split)
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def extend_splits(programs: int, n: int, hq: int, d: int, device: torch.device) -> int:
+    """How many chunks to cut each request's INT4 prefix into: enough programs for two per SM, no more
+    than 16 chunks, and the partials within ``_PARTIAL_BYTES``. Decided on the host from the grid alone
+    (the prefix lengths live on the device); a split whose chunk is empty costs one store."""
+    want = triton.cdiv(2 * _sm_count(device), max(programs, 1))
+    cap = max(_PARTIAL_BYTES // max(n * hq * d * 4, 1), 1)
+    return int(max(1, min(want, 16, cap)))
 
 
 def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
                cache: KV4LayerCache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                side_indptr: torch.Tensor, side_indices: torch.Tensor, *, max_new_tokens: int | None = None,
                sm_scale: float | None = None, rotate: bool = True, block_r: int = 64,
-               block_n: int = 64) -> torch.Tensor:
+               block_n: int = 64, splits: int | None = None) -> torch.Tensor:
     """``q [N, Hq, D]``, ``k_new, v_new [N, Hkv, D]`` (post-RoPE, unrotated) for the new
     tokens of ``B`` requests laid out by ``qo_indptr [B+1]``; the prefix index lists are
-    CSR like in decode. Returns ``out [N, Hq, D]`` in q's dtype (fp32 for fp64)."""
+    CSR like in decode. Returns ``out [N, Hq, D]`` in q's dtype (fp32 for fp64).
+    ``splits``: chunks of the INT4 prefix run by separate programs and merged (None: ``extend_splits``)."""
     n, hq, d = q.shape
     hkv = cache.num_kv_heads
     if hq % hkv or d != cache.head_dim or k_new.shape != (n, hkv, d) or v_new.shape != k_new.shape:
@@ -132,8 +191,19 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
         max_new_tokens = int((qo_indptr[1:] - qo_indptr[:-1]).max())
     block_r = max(block_r, 16, triton.next_power_of_2(group))
     tok = block_r // group
+    b = qo_indptr.numel() - 1
+    q_blocks = triton.cdiv(max_new_tokens, tok)
+    if splits is None:
+        splits = extend_splits(q_blocks * b * hkv, n, hq, d, q.device)
+    if splits > 1:
+        part = torch.empty(splits, n, hq, d, dtype=torch.float32, device=q.device)
+        lse = torch.empty(splits, n, hq, dtype=torch.float32, device=q.device)
+        target, lse_strides = part, (lse.stride(0), lse.stride(1))
+    else:
+        part = lse = None
+        target, lse_strides = out.unsqueeze(0), (0, 0)
     c = cache
-    _extend_kernel[(triton.cdiv(max_new_tokens, tok), qo_indptr.numel() - 1, hkv)](
+    _extend_kernel[(q_blocks, b * splits, hkv)](
         qc, qc.stride(0), qc.stride(1), codes, qscale, codes.stride(0), codes.stride(1),
         qscale.stride(0), qscale.stride(1),
         kc, vc, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), qo_indptr.to(torch.int32),
@@ -141,9 +211,16 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
         c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale,
         c.k_codes.stride(0), c.k_codes.stride(1), c.k_meta.stride(0), c.k_meta.stride(1),
         c.k_side.stride(0), c.k_side.stride(1), c.k_side_scale.stride(0), c.k_side_scale.stride(1),
-        out, out.stride(0), out.stride(1),
+        target, target.stride(0), target.stride(1), target.stride(2), lse if lse is not None else target,
+        *lse_strides,
         sm_scale * LOG2E,
         GROUP=group, TOK=tok, BLOCK_R=block_r, BLOCK_N=block_n, HALF=d // 2,
-        DOT_PREC="ieee" if compute == torch.float32 else "tf32",
+        DOT_PREC="ieee" if compute == torch.float32 else "tf32", SPLITS=splits,
     )
+    if splits > 1:
+        block_h = min(triton.next_power_of_2(hq), 16)
+        _merge_splits_kernel[(n, triton.cdiv(hq, block_h))](
+            part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+            out.stride(0), out.stride(1), hq,
+            SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_H=block_h, D=d)
     return out

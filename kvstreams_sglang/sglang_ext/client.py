@@ -6,6 +6,13 @@ server only what it does not have yet: each turn's request carries the tokens ap
 the last one; the server keeps the stream's KV in its radix tree, so nothing is re-prefilled.
 Spans are validated by the ledger before they travel (the server checks its own state again).
 
+An eviction rides with the stream's next turn (``sampling_params.custom_params.kvstreams_evict``):
+the scheduler applies it just before it admits the turn, in the same step. A separate call would
+wait for a scheduler step of its own, and SGLang's RPC channel carries one call per step: with
+dozens of streams compacting every turn, evictions would be served one per step and set the
+pace of the whole rollout. ``sync`` sends a stream's pending eviction at once, when its server
+state must be read before the next turn.
+
 A stream is opened with its shared prefix: the tokens it has at ``open`` (the episode's first
 message), which its GRPO siblings share through the tree, namespaced by the policy version
 (``extra_key``). Under memory pressure the server may evict an idle stream's KV; its next turn is
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trainer_masks import StreamLedger
 
@@ -35,6 +42,7 @@ from ..engine.engine import Generation
 from ..engine.sampling import SamplingParams
 from . import STREAM_EVICTED
 from .http_client import JsonPoster
+from .sessions import EVICT_PARAM
 
 MAX_RESTORES = 8  # restores of one turn before giving up (each one evicted again before it finished)
 
@@ -132,6 +140,21 @@ class _Session:
     opened_version: int = 0
     sent: int = 0
     turns: int = 0
+    pending_evict: list[tuple[int, int]] = field(default_factory=list)  # in the ledger, not yet on the server
+
+    def sampling_with_evictions(self, sampling: dict) -> dict:
+        """``sampling`` plus the pending eviction (flat ``[start, end, start, end, ...]``: SGLang's custom
+        parameters hold flat lists), sorted, adjacent spans merged."""
+        if not self.pending_evict:
+            return sampling
+        merged: list[list[int]] = []
+        for start, stop in sorted(self.pending_evict):
+            if merged and merged[-1][1] == start:
+                merged[-1][1] = stop
+            else:
+                merged.append([start, stop])
+        custom = dict(sampling.get("custom_params") or {}, **{EVICT_PARAM: [p for span in merged for p in span]})
+        return dict(sampling, custom_params=custom)
 
     def request_ids(self) -> list[int]:
         ids = self.ledger.token_ids[self.sent:]
@@ -182,12 +205,16 @@ class _Streams:
         return sid
 
     def _turn(self, s: _Session, sampling: dict, *, logprobs: bool) -> Generator[Call, object, dict]:
-        """Send the pending tokens; on ``STREAM_EVICTED`` restore the stream and send them again."""
+        """Send the pending tokens (and the pending eviction); on ``STREAM_EVICTED`` restore the stream (the
+        restore replays every eviction of the ledger) and send them again."""
         for _ in range(MAX_RESTORES + 1):
-            out = yield Call("generate", dict(input_ids=s.request_ids(), sampling_params=sampling,
-                                              return_logprob=logprobs, session_params={"id": s.session_id}))
+            out = yield Call("generate", dict(input_ids=s.request_ids(), sampling_params=s.sampling_with_evictions(
+                sampling), return_logprob=logprobs, session_params={"id": s.session_id}))
             if not _evicted(out):
-                return _check(out)
+                out = _check(out)
+                s.pending_evict.clear()
+                return out
+            s.pending_evict.clear()
             yield from self._restore(s)
         raise RuntimeError(f"{s.ledger.name}: evicted {MAX_RESTORES} times in a row; the KV pool is too small for "
                            "one stream at a time")
@@ -243,12 +270,20 @@ class _Streams:
         s.turns += 1
         s.record_prefill()
 
-    def _evict(self, sid: int, spans) -> Generator[Call, object, int]:
+    def _evict(self, sid: int, spans) -> int:
+        """Evict in the ledger now, on the server with the stream's next turn (or ``sync``)."""
         s = self._get(sid)
         eviction = s.ledger.check_evict(spans)
-        yield Call("evict", dict(session_id=s.session_id, spans=[list(x) for x in eviction.spans]))
         s.ledger.apply(eviction)
+        s.pending_evict.extend(eviction.spans)
         return len(eviction.dropped)
+
+    def _sync(self, sid: int) -> Generator[Call, object, None]:
+        s = self._get(sid)
+        if s.pending_evict:
+            spans = s.sampling_with_evictions({})["custom_params"][EVICT_PARAM]
+            yield Call("evict", dict(session_id=s.session_id, spans=[spans[i: i + 2] for i in range(0, len(spans), 2)]))
+            s.pending_evict.clear()
 
     def _close(self, sid: int) -> Generator[Call, object, None]:
         yield Call("close", dict(session_id=self._sessions.pop(sid).session_id))
@@ -313,7 +348,12 @@ class EngineStreams(_Streams):
         self._run(self._prefill(sid))
 
     def evict(self, sid: int, spans) -> int:
-        return self._run(self._evict(sid, spans))
+        """Drop ``spans`` from the stream (the ledger now, the server with the next turn); returns the count."""
+        return self._evict(sid, spans)
+
+    def sync(self, sid: int) -> None:
+        """Send the stream's pending eviction now."""
+        self._run(self._sync(sid))
 
     def stream_record(self, sid: int, **meta):
         return self._record(sid, self.kv_dtype, **meta)
@@ -368,7 +408,12 @@ class SGLangClient(_Streams):
         return gen
 
     async def evict(self, sid, spans):
-        return await self._run(self._evict(sid, spans))
+        """Drop ``spans`` from the stream (the ledger now, the server with the next turn); returns the count."""
+        return self._evict(sid, spans)
+
+    async def sync(self, sid):
+        """Send the stream's pending eviction now (``/kvstreams/evict``)."""
+        await self._run(self._sync(sid))
 
     async def prefill(self, sid):
         await self._run(self._prefill(sid))

@@ -16,6 +16,12 @@ A turn of a stream whose KV the cache evicted under memory pressure answers 200 
 leaves the stream as it was: token ids outside the vocabulary, or a turn whose KV or positions would
 not fit.
 
+A turn may carry an eviction: ``"sampling_params": {..., "custom_params": {"kvstreams_evict": [start, end,
+start, end, ...]}}`` (flat: SGLang's custom parameters hold flat lists). The scheduler evicts those spans
+in place just before it admits the turn, in the same step; a refused eviction answers 400 with the reason
+and the turn does not run. This is the fast path: ``/kvstreams/evict`` below waits for a scheduler step
+of its own, and the RPC channel serves one call per step.
+
 ``POST /kvstreams/evict {"session_id": str, "spans": [[start, end], ...]}`` evicts a stream's spans
 (stream positions) in place, between turns, and answers the stream's state after (``live_tokens``,
 ``evicted_tokens``, ``stream_length``, ``slots``, ``positions``, ``shared_prefix_len``, ``lost``,

@@ -7,7 +7,8 @@
   (``stream_cache.OFFSET_ATTR``) to ``positions`` (and, under kv4rl, puts each stream's saved INT8
   side row under the row its turn runs in); ``Scheduler.handle_generate_request`` refuses, with a
   400 and the reason, token ids outside the vocabulary (any request) and a stream turn that would
-  not fit (``sessions.turn_refusal``), before SGLang touches the session, and pins a stream's turns
+  not fit (``sessions.turn_refusal``), before SGLang touches the session, applies the eviction a turn
+  carries (``sessions.pop_turn_eviction``) in the step that admits it, and pins a stream's turns
   to its radix namespace; ``Scheduler.abort_request`` frees a stream whose turn it drops from the
   waiting queue (SGLang would leave the session busy for good); ``PrefillAdder.add_one_req`` holds
   a stream's first turn back one round while a sibling with the same shared prefix is in the
@@ -84,7 +85,9 @@ def _install_turn_guard() -> None:
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler import Scheduler
 
-    from .sessions import ids_refusal, turn_refusal
+    from trainer_masks import EvictionError
+
+    from .sessions import eviction_spans, ids_refusal, pop_turn_eviction, turn_refusal
     from .stream_cache import KVStreamRadixCache
 
     original = Scheduler.handle_generate_request
@@ -101,14 +104,28 @@ def _install_turn_guard() -> None:
     def handle_generate_request(self, recv_req):
         reason = ids_refusal(recv_req.input_ids, self.model_config.vocab_size)
         cache = self.tree_cache
+        evict = pop_turn_eviction(recv_req)
+        idle_stream = False
         if reason is None and recv_req.session_params is not None and isinstance(cache, KVStreamRadixCache):
             session = self.session_controller.get(recv_req.session_params.id)
-            if session is not None and session.streaming and not session.close_on_finish and not session._inflight:
-                state = cache.begin_turn(session, recv_req)
-                recv_req.extra_key = state.extra_key
-                reason = turn_refusal(session, state, recv_req, max_req_len=self.max_req_len,
-                                      max_req_input_len=self.max_req_input_len,
-                                      context_len=self.model_config.context_len)
+            idle_stream = (session is not None and session.streaming and not session.close_on_finish
+                           and not session._inflight)
+        if reason is None and evict is not None and not idle_stream:
+            reason = ("kvstreams: custom_params.kvstreams_evict rides only with a turn of an idle KV stream "
+                      "(session_params.id of a /kvstreams/open stream); nothing was changed")
+        if reason is None and evict is not None:
+            try:  # the turn's eviction first, in place, in the step that admits the turn
+                cache.evict_spans(session, eviction_spans(evict))
+            except (EvictionError, ValueError, TypeError) as e:
+                reason = (f"kvstreams: the turn's eviction was refused ({e}); the stream is unchanged, the turn "
+                          "did not run")
+        if reason is None and idle_stream:
+            state = cache.begin_turn(session, recv_req)
+            recv_req.extra_key = state.extra_key
+            reason = turn_refusal(session, state, recv_req, max_req_len=self.max_req_len,
+                                  max_req_input_len=self.max_req_input_len, context_len=self.model_config.context_len)
+            if reason is not None and evict is not None:
+                reason += " (the eviction it carried was applied)"
         if reason is not None:
             return refuse(self, recv_req, reason)
         return original(self, recv_req)

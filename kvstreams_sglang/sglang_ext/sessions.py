@@ -16,6 +16,28 @@ from __future__ import annotations
 
 from array import array
 
+EVICT_PARAM = "kvstreams_evict"  # sampling_params.custom_params key: a turn's eviction, flat [start, end, ...]
+
+
+def pop_turn_eviction(recv_req) -> list | None:
+    """The eviction a turn carries (``custom_params[EVICT_PARAM]``), taken out of its sampling parameters so
+    that nothing downstream sees it; None when it carries none."""
+    sampling = recv_req.sampling_params
+    custom = getattr(sampling, "custom_params", None)
+    if not isinstance(custom, dict) or EVICT_PARAM not in custom:
+        return None
+    rest = {k: v for k, v in custom.items() if k != EVICT_PARAM}
+    sampling.custom_params = rest or None
+    return custom[EVICT_PARAM]
+
+
+def eviction_spans(flat) -> list[list[int]]:
+    """``[start, end, start, end, ...]`` -> ``[[start, end], ...]`` (the values are checked by ``check_spans``)."""
+    if not isinstance(flat, list) or len(flat) % 2:
+        raise ValueError(f"custom_params.{EVICT_PARAM} must be a flat list [start, end, start, end, ...] of an even "
+                         f"length, got {flat!r}")
+    return [flat[i: i + 2] for i in range(0, len(flat), 2)]
+
 
 def _last_req(session):
     if not session.req_nodes:
