@@ -57,7 +57,8 @@ class InferenceConfig(EngineConfig):
     engine serves the rollouts and where. ``kv_dtype`` must match an SGLang server's ``--kv4rl``."""
 
     engine: Literal["builtin", "sglang"] = "builtin"
-    url: str | None = Field(None, description="SGLang server URL (engine = sglang)")
+    url: str | list[str] | None = Field(None, description="SGLang server URL (engine = sglang); several (a list, or "
+                                        "comma-separated): data parallel, each stream kept on one server")
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$",
                         description="engine device; under torchrun e.g. cuda:2 (trainer ranks use cuda:LOCAL_RANK)")
     weight_sync: Literal["disk", "distributed"] = Field(
@@ -69,10 +70,20 @@ class InferenceConfig(EngineConfig):
                                      "server's ranks reach the trainer at (rank 0 of the group)")
     weight_sync_port: int = Field(0, ge=0, le=65535, description="its port (0: a free one)")
 
+    @property
+    def urls(self) -> list[str]:
+        """The SGLang servers, in order."""
+        if not self.url:
+            return []
+        parts = self.url if isinstance(self.url, list) else self.url.split(",")
+        return [u.strip() for u in parts if u.strip()]
+
     @model_validator(mode="after")
     def _url(self) -> InferenceConfig:
-        if self.engine == "sglang" and not self.url:
+        if self.engine == "sglang" and not self.urls:
             raise ValueError("inference.engine = 'sglang' needs inference.url")
+        if len(set(self.urls)) != len(self.urls):
+            raise ValueError(f"inference.url lists a server twice: {self.urls}")
         if self.weight_sync == "distributed" and self.engine != "sglang":
             raise ValueError("inference.weight_sync = 'distributed' is for an SGLang server (engine = 'sglang'); "
                              "the built-in engine takes the weights in process")

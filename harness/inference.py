@@ -43,28 +43,37 @@ class BuiltinInference:
 
 
 class SGLangInference:
-    """An SGLang server launched with ``--enable-kv-streams`` (and ``--kv4rl`` iff
-    ``inference.kv_dtype = "kv4rl"``) on the same model as the trainer."""
+    """SGLang servers launched with ``--enable-kv-streams`` (and ``--kv4rl`` iff ``inference.kv_dtype =
+    "kv4rl"``) on the same model as the trainer: one (``SGLangClient``), or several, data parallel
+    (``StreamRouter``: each stream kept on one server, GRPO siblings together)."""
 
     def __init__(self, cfg: InferenceConfig, model_path: str, out: Path, trainer_device: torch.device | None = None):
         from kvstreams_sglang.sglang_ext.client import SGLangClient
+        from kvstreams_sglang.sglang_ext.router import StreamRouter
 
         self.cfg, self.model_path = cfg, Path(model_path)
-        self.client = SGLangClient(cfg.url, kv_dtype=cfg.kv_dtype)
+        urls = cfg.urls
+        self.client = (SGLangClient(urls[0], kv_dtype=cfg.kv_dtype) if len(urls) == 1
+                       else StreamRouter(urls, kv_dtype=cfg.kv_dtype))
+        self.servers = getattr(self.client, "clients", [self.client])  # one SGLangClient per server
         self.weights_dir = out / "weights"
         self.trainer_device = trainer_device or torch.device("cpu")  # where broadcast weights are sent from
         self.broadcast: WeightBroadcast | None = None
 
     async def start(self) -> None:
-        info = await self.client.pool_info()
-        kv4 = info["pool"] == "KV4TokenToKVPool"
-        if kv4 != (self.cfg.kv_dtype == "kv4rl"):
-            raise RuntimeError(f"inference.kv_dtype = {self.cfg.kv_dtype!r} but the SGLang server at {self.cfg.url} "
-                               f"runs {info['pool']} (launch it {'with' if not kv4 else 'without'} --kv4rl)")
+        for server in self.servers:
+            info = await server.pool_info()
+            kv4 = info["pool"] == "KV4TokenToKVPool"
+            if kv4 != (self.cfg.kv_dtype == "kv4rl"):
+                raise RuntimeError(f"inference.kv_dtype = {self.cfg.kv_dtype!r} but the SGLang server at "
+                                   f"{server.base_url} runs {info['pool']} (launch it "
+                                   f"{'with' if not kv4 else 'without'} --kv4rl)")
         if self.cfg.weight_sync == "distributed" and self.broadcast is None:
-            server = await self.client.server_info()
-            ranks = int(server.get("tp_size") or 1) * int(server.get("pp_size") or 1)
-            self.broadcast = WeightBroadcast(self.client, address=self.cfg.weight_sync_address,
+            ranks = []
+            for server in self.servers:
+                info = await server.server_info()
+                ranks.append(int(info.get("tp_size") or 1) * int(info.get("pp_size") or 1))
+            self.broadcast = WeightBroadcast(self.servers, address=self.cfg.weight_sync_address,
                                              port=self.cfg.weight_sync_port, server_ranks=ranks)
             await self.broadcast.start(self.trainer_device)
 
@@ -97,7 +106,10 @@ class SGLangInference:
         updates, kept tokens the server had lost when a turn arrived, prompt tokens of first turns
         served from the tree (GRPO siblings), streams restored after the server evicted them under
         memory pressure and the tokens those restores computed again."""
-        return {f"sglang_{k}": v for k, v in self.client.stats.items()}
+        out = {f"sglang_{k}": v for k, v in self.client.stats.items()}
+        if len(self.servers) > 1:
+            out.update({f"sglang_streams_opened_server{i}": n for i, n in enumerate(self.client.opened)})
+        return out
 
     async def close(self) -> None:
         if self.broadcast is not None:

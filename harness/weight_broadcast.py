@@ -4,7 +4,8 @@ prime-rl, slime and the KV-streams authors move weights trainer -> inference ove
 file: the trainer is rank 0 of a process group whose other ranks are the server's tensor-parallel
 ranks (SGLang's ``/init_weights_update_group``); each update announces names, dtypes and shapes
 (``/update_weights_from_distributed``, ``flush_cache=False``: every stream keeps its KV) while rank
-0 broadcasts the tensors in that order. NCCL when the weights are on a GPU, gloo from a CPU (tests).
+0 broadcasts the tensors in that order. Several servers (data parallel) join one group, server i's
+ranks after server i-1's: one broadcast reaches them all. NCCL when the weights are on a GPU, gloo from a CPU (tests).
 ``join_group`` builds the group as SGLang's ``init_custom_process_group`` does on the server's side
 (a TCP rendezvous, a store prefixed by the group name), without importing SGLang into the trainer.
 """
@@ -48,14 +49,18 @@ def unique_tensors(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 class WeightBroadcast:
-    """``client``: the server's ``SGLangClient``; ``server_ranks``: its TP size (the group is ``1 + server_ranks``
-    processes). ``start`` joins the group, ``push`` sends one version."""
+    """``clients``: one ``SGLangClient`` per server; ``server_ranks``: each server's TP x PP size (the group is
+    ``1 + sum(server_ranks)`` processes). ``start`` joins the group, ``push`` sends one version."""
 
-    def __init__(self, client, *, address: str = "127.0.0.1", port: int = 0, server_ranks: int = 1,
-                 timeout_s: float = 600.0):
-        self.client, self.address = client, address
+    def __init__(self, clients: list, *, address: str = "127.0.0.1", port: int = 0,
+                 server_ranks: list[int] | None = None, timeout_s: float = 600.0):
+        self.clients, self.address = list(clients), address
+        ranks = list(server_ranks or [1] * len(self.clients))
+        if len(ranks) != len(self.clients) or min(ranks) < 1:
+            raise ValueError(f"server_ranks {ranks} do not describe {len(self.clients)} servers")
+        self.rank_offsets = [1 + sum(ranks[:i]) for i in range(len(ranks))]
         self.port = port or free_port(address)
-        self.world_size = 1 + server_ranks
+        self.world_size = 1 + sum(ranks)
         self.timeout = timedelta(seconds=timeout_s)
         self.group = None
         self.device: torch.device | None = None
@@ -69,9 +74,10 @@ class WeightBroadcast:
         self.backend = "nccl" if device.type == "cuda" else "gloo"
         join = asyncio.to_thread(join_group, self.backend, self.address, self.port, self.world_size, 0,
                                  self.group_name, self.timeout)
-        ask = self.client.init_weights_update_group(self.address, self.port, self.world_size,
-                                                    group_name=self.group_name, backend=self.backend)
-        self.group, _ = await asyncio.gather(join, ask)
+        asks = [c.init_weights_update_group(self.address, self.port, self.world_size, group_name=self.group_name,
+                                            backend=self.backend, rank_offset=offset)
+                for c, offset in zip(self.clients, self.rank_offsets, strict=True)]
+        self.group, *_ = await asyncio.gather(join, *asks)
 
     async def push(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         if self.group is None:
@@ -85,15 +91,15 @@ class WeightBroadcast:
             for t in weights.values():
                 torch.distributed.broadcast(t.detach().to(self.device).contiguous(), src=0, group=self.group)
 
-        await asyncio.gather(asyncio.to_thread(send), self.client.update_weights_from_distributed(
-            names, dtypes, shapes, version, group_name=self.group_name))
+        await asyncio.gather(asyncio.to_thread(send), *(c.update_weights_from_distributed(
+            names, dtypes, shapes, version, group_name=self.group_name) for c in self.clients))
 
     async def close(self) -> None:
         """Both ends leave the group (the server's through ``/destroy_weights_update_group``)."""
         if self.group is None:
             return
         try:
-            await self.client.destroy_weights_update_group(self.group_name)
+            await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.clients))
         finally:
             torch.distributed.destroy_process_group(self.group)
             self.group = None

@@ -36,7 +36,7 @@ import itertools
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
-from trainer_masks import StreamLedger
+from trainer_masks import EvictionError, StreamLedger
 
 from ..engine.engine import Generation
 from ..engine.sampling import SamplingParams
@@ -274,6 +274,11 @@ class _Streams:
         """Evict in the ledger now, on the server with the stream's next turn (or ``sync``)."""
         s = self._get(sid)
         eviction = s.ledger.check_evict(spans)
+        for start, stop in eviction.spans:  # the server's rule too: checked here, as the ledger changes now
+            if start < s.shared_prefix_len:
+                raise EvictionError(f"{s.ledger.name}: span [{start}, {stop}) reaches into the shared prefix "
+                                    f"[0, {s.shared_prefix_len}), whose KV other streams share (open the stream "
+                                    "with a smaller shared_prefix_len to evict it)")
         s.ledger.apply(eviction)
         s.pending_evict.extend(eviction.spans)
         return len(eviction.dropped)
@@ -435,11 +440,11 @@ class SGLangClient(_Streams):
         self.policy_version = version
 
     async def init_weights_update_group(self, master_address: str, master_port: int, world_size: int, *,
-                                        group_name: str, backend: str) -> None:
-        """The server's ranks join a process group (ranks 1..) whose rank 0 is the caller, who must join it
-        concurrently (``harness.weight_broadcast``)."""
+                                        group_name: str, backend: str, rank_offset: int = 1) -> None:
+        """The server's ranks join a process group (ranks ``rank_offset..``) whose rank 0 is the caller, who must
+        join it concurrently (``harness.weight_broadcast``)."""
         out = await self._post("/init_weights_update_group", dict(
-            master_address=master_address, master_port=master_port, rank_offset=1, world_size=world_size,
+            master_address=master_address, master_port=master_port, rank_offset=rank_offset, world_size=world_size,
             group_name=group_name, backend=backend))
         if not out.get("success", False):
             raise RuntimeError(f"SGLang init_weights_update_group failed: {out}")

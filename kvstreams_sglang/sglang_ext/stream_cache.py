@@ -25,9 +25,15 @@ to ``ForwardBatch.positions``.
 
 kv4rl (``KV4TokenToKVPool``): the pool keeps the INT8 copies of a sequence's sink and recent
 positions in the side row of the request row it runs in, and a stream takes a new row every turn;
-``side_rows.SideRows`` keeps an idle stream's side row and puts it back under its next row. A
-stream's first turn computes its whole prompt (its row needs the prompt's INT8 copies; the prompt's
-slots are still shared: the tree keeps one copy), and plain requests reuse no prefix.
+``side_rows.SideRows`` keeps an idle stream's side row and puts it back under its next row. GRPO
+siblings share their prompt's compute when a first turn's input is exactly its shared prefix: once
+such a turn is prefilled (before any decode step: overlap scheduling is off), its side row, which
+holds the prompt's INT8 copies as of the prompt's end, is kept as the prompt's snapshot while any
+stream of that prompt is open; a sibling's first turn then matches the prompt in the tree and starts
+from the snapshot. A first turn longer than its shared prefix (e.g. a chat header after the first
+message) computes the prompt in its own row: no row ever held the INT8 copies of the prompt's last
+positions as of the prompt's end (the ring slots went to the turn's later tokens); the prompt's slots
+are still shared (the tree keeps one copy). Plain requests reuse no prefix.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class StreamState:
     offset: int = 0  # tokens evicted so far: logical position = compacted index + offset after them
     prefix_hit_tokens: int = 0  # tokens of the first turn served from the tree
     side: dict | None = None  # kv4rl: the INT8 side row between turns (SideRows)
+    prompt_counted: bool = False  # kv4rl: counted as an open stream of its prompt's side-row snapshot
     turn_rid: str | None = None  # the request id of its current turn (SGLang also hands refused requests the session)
 
     @property
@@ -92,6 +99,9 @@ class KVStreamRadixCache(RadixCache):
         self._by_tag: dict[int, StreamState] = {}
         self._tags = itertools.count(1)
         self.side_rows = side_rows  # kv4rl only
+        # kv4rl: (namespace, prompt) -> the side row right after that prompt's prefill, and the open streams of it
+        self.prompt_sides: dict[tuple, dict] = {}
+        self.prompt_streams: dict[tuple, int] = {}
         self.counters = dict(prefix_hit_tokens=0, branches_evicted=0, turns_aborted_evicted=0)
         super().__init__(params)
 
@@ -136,6 +146,7 @@ class KVStreamRadixCache(RadixCache):
         state = self.streams.pop(session_id, None)
         if state is None:
             return
+        self._forget_prompt(state)
         del self._by_tag[state.tag]
         branch = self._find_branch(state)
         if branch is not None and not _any_locked(branch):  # (locked: a turn still runs; the cache evicts it later)
@@ -159,7 +170,7 @@ class KVStreamRadixCache(RadixCache):
             self._abort_evicted(req)
             return self._empty_match_result
         setattr(req, OFFSET_ATTR, state.offset)
-        if self.side_rows is not None and not state.computed:
+        if self.side_rows is not None and not state.computed and self._prompt_key(state) not in self.prompt_sides:
             return self._empty_match_result  # kv4rl: the first turn writes its prompt's INT8 copies in its row
         return result
 
@@ -186,6 +197,8 @@ class KVStreamRadixCache(RadixCache):
         self.inc_lock_ref(node)
         req.prefix_indices = indices
         req.last_node = node
+        if not chunked:
+            self._snapshot_prompt(state, req)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         state = self.stream_of(req)
@@ -210,6 +223,7 @@ class KVStreamRadixCache(RadixCache):
                                                      start_pos=req.cache_protected_len)
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
+        self._snapshot_prompt(state, req)
         if not state.computed:
             state.prefix_hit_tokens = int(req.cached_tokens)
             self.counters["prefix_hit_tokens"] += state.prefix_hit_tokens
@@ -293,7 +307,7 @@ class KVStreamRadixCache(RadixCache):
         (namespace, tokens), which its GRPO siblings share; else None. ``patches`` holds a sibling back one
         prefill round so that it finds the prefix in the tree instead of computing it again."""
         state = self.stream_of(req)
-        if state is None or state.computed or not state.shared_prefix_len or self.side_rows is not None:
+        if state is None or state.computed or not state.shared_prefix_len:
             return None
         if len(req.prefix_indices) >= min(state.shared_prefix_len, len(req.full_untruncated_fill_ids) - 1):
             return None
@@ -301,14 +315,46 @@ class KVStreamRadixCache(RadixCache):
 
     # ---- kv4rl side rows ----
     def load_side_rows(self, reqs) -> None:
-        """Before an extend: put each stream's saved INT8 side row under the row its turn runs in (once per row)."""
+        """Before an extend: put each stream's saved INT8 side row under the row its turn runs in (once per row); a
+        first turn that matched its prompt in the tree starts from the prompt's snapshot."""
         if self.side_rows is None:
             return
         for req in reqs:
             state = self.stream_of(req)
             if state is not None and getattr(req, "kvstreams_side_row", None) != req.req_pool_idx:
-                self.side_rows.load(state.side, req.req_pool_idx)
+                side = state.side
+                if not state.computed and len(req.prefix_indices):
+                    side = self.prompt_sides.get(self._prompt_key(state), side)
+                self.side_rows.load(side, req.req_pool_idx)
                 req.kvstreams_side_row = req.req_pool_idx
+
+    @staticmethod
+    def _prompt_key(state: StreamState) -> tuple:
+        return state.extra_key, state.prompt.tobytes()
+
+    def _snapshot_prompt(self, state: StreamState, req) -> None:
+        """After a first turn's prefill, when its input is exactly the shared prefix: its side row becomes the
+        prompt's snapshot for the siblings (taken once), and the stream counts as one of the prompt's."""
+        if self.side_rows is None or state.computed or state.prompt_counted:
+            return
+        if (not state.shared_prefix_len or len(req.origin_input_ids) != state.shared_prefix_len
+                or len(req.output_ids) > 1):  # (a decode step has written its token's INT8 copy since)
+            return
+        key = self._prompt_key(state)
+        if key not in self.prompt_sides:
+            snapshot = self.side_rows.empty()
+            self.side_rows.save(snapshot, req.req_pool_idx)
+            self.prompt_sides[key] = snapshot
+        self.prompt_streams[key] = self.prompt_streams.get(key, 0) + 1
+        state.prompt_counted = True
+
+    def _forget_prompt(self, state: StreamState) -> None:
+        if not state.prompt_counted:
+            return
+        key = self._prompt_key(state)
+        self.prompt_streams[key] -= 1
+        if not self.prompt_streams[key]:
+            del self.prompt_streams[key], self.prompt_sides[key]
 
     def _save_side(self, state: StreamState, req) -> None:
         if self.side_rows is not None:
