@@ -170,8 +170,13 @@ class KVStreamRadixCache(RadixCache):
             self._abort_evicted(req)
             return self._empty_match_result
         setattr(req, OFFSET_ATTR, state.offset)
-        if self.side_rows is not None and not state.computed and self._prompt_key(state) not in self.prompt_sides:
-            return self._empty_match_result  # kv4rl: the first turn writes its prompt's INT8 copies in its row
+        if self.side_rows is not None and not state.computed:
+            key = self._prompt_key(state)
+            if key not in self.prompt_sides:
+                return self._empty_match_result  # kv4rl: the first turn writes its prompt's INT8 copies in its row
+            if not state.prompt_counted:  # the snapshot stays while this stream is open (it loads it before its extend)
+                self.prompt_streams[key] += 1
+                state.prompt_counted = True
         return result
 
     def cache_unfinished_req(self, req, chunked=False):
