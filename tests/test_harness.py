@@ -54,6 +54,9 @@ needs_a_cpu_only_machine = pytest.mark.skipif(torch.cuda.is_available(), reason=
      "environment.options.instances: Field required"),
     (["--inference.max_streams", "32"], "inference.max_streams (32) is below the 64 episodes"),
     (["--orchestrator.oversubscription", "2.1"], "inference.max_streams (64) is below the 72 episodes"),
+    (["--inference.engine", "sglang"], "inference.engine = 'sglang' needs inference.url"),
+    (["--inference.engine", "sglang", "--inference.url", "http://a:1,http://b:2,http://a:1"],
+     "inference.url lists a server twice"),
 ])
 def test_bad_config_fails_before_anything_starts(argv, message, capsys, tmp_path):
     """One line naming the key, exit status 2, and nothing written (no run directory)."""
