@@ -634,6 +634,39 @@ def test_a_turn_carrying_a_refused_eviction_does_not_run(kv4rl_server):
     assert_serves_and_pool_whole(kv4rl_server)
 
 
+def test_kv4rl_siblings_share_the_prompt_before_their_header(kv4rl_server):
+    """The agent loop's first turn is the first message and then an assistant header: under kv4rl the client sends
+    the shared prefix on its own first (prefill only), so the server keeps the prompt's side-row snapshot and the
+    G-1 siblings submitted together compute only the prompt's last token and the header (prefix hits (G-1)(p-1));
+    all G sample the same greedy tokens, with logprobs within KV4's noise of each other."""
+    import asyncio
+
+    from kvstreams_sglang.engine import SamplingParams
+
+    siblings, p = 3, len(script.SIBLING_PROMPT)
+
+    async def episode(c):
+        sids = [await c.open(script.SIBLING_PROMPT) for _ in range(siblings)]
+        for sid in sids:
+            await c.append(sid, [1, 2, 3])  # the assistant header
+
+        async def first_turn(sid):
+            return await c.generate(sid, SamplingParams(max_new_tokens=4, temperature=0.0))
+
+        gens = await asyncio.gather(*(first_turn(sid) for sid in sids))
+        for sid in sids:
+            await c.close(sid)
+        return gens
+
+    gens, stats = run_client(kv4rl_server, episode)
+    assert stats["prefix_hit_tokens"] == (siblings - 1) * (p - 1), stats
+    assert all(g.token_ids == gens[0].token_ids for g in gens)
+    gap = max(abs(a - b) for g in gens for a, b in zip(g.logprobs, gens[0].logprobs, strict=True))
+    assert gap <= 5e-2, gap
+    assert stats["cached_tokens_lost"] == 0
+    assert_serves_and_pool_whole(kv4rl_server)
+
+
 def test_harness_trains_textworld_on_an_sglang_server(kv4rl_server, tiny_model_path, tmp_path):
     """Three trainer steps on real TextWorld games against the kv4rl + kv-streams SGLang server: weights go over
     with flush_cache=False, compaction evicts in place, and nothing is re-prefilled."""

@@ -156,8 +156,8 @@ class _Session:
         custom = dict(sampling.get("custom_params") or {}, **{EVICT_PARAM: [p for span in merged for p in span]})
         return dict(sampling, custom_params=custom)
 
-    def request_ids(self) -> list[int]:
-        ids = self.ledger.token_ids[self.sent:]
+    def request_ids(self, upto: int | None = None) -> list[int]:
+        ids = self.ledger.token_ids[self.sent:upto]
         if not ids:
             raise ValueError(f"{self.ledger.name}: nothing to send (generate needs a pending token)")
         return ids
@@ -204,11 +204,12 @@ class _Streams:
         self._sessions[sid] = _Session(session_id, ledger, shared, opened_version=self.policy_version)
         return sid
 
-    def _turn(self, s: _Session, sampling: dict, *, logprobs: bool) -> Generator[Call, object, dict]:
-        """Send the pending tokens (and the pending eviction); on ``STREAM_EVICTED`` restore the stream (the
-        restore replays every eviction of the ledger) and send them again."""
+    def _turn(self, s: _Session, sampling: dict, *, logprobs: bool, upto: int | None = None
+              ) -> Generator[Call, object, dict]:
+        """Send the pending tokens (up to ``upto``) and the pending eviction; on ``STREAM_EVICTED`` restore the
+        stream (the restore replays every eviction of the ledger) and send them again."""
         for _ in range(MAX_RESTORES + 1):
-            out = yield Call("generate", dict(input_ids=s.request_ids(), sampling_params=s.sampling_with_evictions(
+            out = yield Call("generate", dict(input_ids=s.request_ids(upto), sampling_params=s.sampling_with_evictions(
                 sampling), return_logprob=logprobs, session_params={"id": s.session_id}))
             if not _evicted(out):
                 out = _check(out)
@@ -247,8 +248,23 @@ class _Streams:
                 return
         raise RuntimeError(f"{ledger.name}: evicted {MAX_RESTORES} times during its restore")
 
+    def _share_prompt(self, s: _Session) -> Generator[Call, object, None]:
+        """kv4rl: a first turn that runs past the shared prefix (the agent loop's: first message, then an assistant
+        header) sends the prefix on its own first, prefill only. The server keeps the INT8 side row of a first turn
+        that is exactly its shared prefix for the GRPO siblings (``stream_cache``), who then compute only what
+        follows; one longer extend would leave no row holding the prompt's INT8 copies as of its end."""
+        p = s.shared_prefix_len
+        if self.kv_dtype != "kv4rl" or s.turns or s.sent or not 0 < p < s.ledger.end:
+            return
+        out = yield from self._turn(s, dict(max_new_tokens=0), logprobs=False, upto=p)
+        self.stats["prefix_hit_tokens"] += int(out["meta_info"].get("cached_tokens", 0))
+        s.turns += 1
+        s.sent = p
+        s.ledger.commit(p - s.ledger.num_computed)
+
     def _generate(self, sid: int, params: SamplingParams) -> Generator[Call, object, tuple[Generation, dict]]:
         s = self._get(sid)
+        yield from self._share_prompt(s)
         out = yield from self._turn(s, sglang_sampling_params(params), logprobs=True)
         meta = out["meta_info"]
         cached = int(meta.get("cached_tokens", 0))
@@ -264,6 +280,7 @@ class _Streams:
         s = self._get(sid)
         if not s.ledger.num_pending:
             return
+        yield from self._share_prompt(s)
         out = yield from self._turn(s, dict(max_new_tokens=0), logprobs=False)
         if s.turns == 0:
             self.stats["prefix_hit_tokens"] += int(out["meta_info"].get("cached_tokens", 0))

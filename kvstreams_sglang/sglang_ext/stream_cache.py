@@ -32,8 +32,9 @@ holds the prompt's INT8 copies as of the prompt's end, is kept as the prompt's s
 stream of that prompt is open; a sibling's first turn then matches the prompt in the tree and starts
 from the snapshot. A first turn longer than its shared prefix (e.g. a chat header after the first
 message) computes the prompt in its own row: no row ever held the INT8 copies of the prompt's last
-positions as of the prompt's end (the ring slots went to the turn's later tokens); the prompt's slots
-are still shared (the tree keeps one copy). Plain requests reuse no prefix.
+positions as of the prompt's end (the ring slots went to the turn's later tokens; the prompt's slots
+are still shared, the tree keeps one copy), so the client (``client._Streams._share_prompt``) sends
+such a turn's prefix first, on its own. Plain requests reuse no prefix.
 """
 
 from __future__ import annotations
