@@ -31,6 +31,9 @@ if __name__ == "__main__":
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     metrics = trainer.train_step(shard_batch(samples(), world, trainer.config.loss_norm)[rank])
     state = trainer.engine_weights()
+    # the step's global gradient (kept after the step: the next one zeroes it), gathered from the shards
+    grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+             for name, p in trainer.model.named_parameters(remove_duplicate=False) if p.grad is not None}
     if torch.distributed.get_rank() == 0:
-        torch.save({"state": state, "metrics": metrics}, out_path)
+        torch.save({"state": state, "grads": grads, "metrics": metrics}, out_path)
     torch.distributed.destroy_process_group()

@@ -369,10 +369,19 @@ def test_data_parallel_fsdp2_step_equals_one_process(tiny_model_path, tmp_path):
     # the global gradient is the same (a missing world-size scaling would halve it) ...
     assert abs(one["metrics"]["grad_norm"] - two["metrics"]["grad_norm"]) < 1e-6 * one["metrics"]["grad_norm"]
     assert one["metrics"]["loss_tokens"] == two["metrics"]["loss_tokens"]
-    # ... and so is the update, up to Adam dividing rounding-level gradient differences by
-    # near-zero second moments: 1% of the lr-sized first step
+    # ... element by element ...
+    assert one["grads"].keys() == two["grads"].keys() and one["grads"]
+    for name, g in one["grads"].items():
+        assert torch.allclose(g, two["grads"][name], rtol=1e-4, atol=1e-9), name
+    # ... and so is the update. Adam's first step is lr * g / (|g| + eps): where |g| is near eps (1e-8) it divides
+    # rounding-level gradient differences by a near-zero second moment, so those elements are held to the gradient
+    # check above; everywhere else the update must agree to 1e-4 of the lr-sized step
     for name, w in one["state"].items():
-        assert torch.allclose(w, two["state"][name], atol=1e-4, rtol=0), name
+        g = one["grads"][name]  # (tied weights under each of their names)
+        well_conditioned = g.abs() > 1e-6
+        diff = (w - two["state"][name]).abs()
+        assert diff[well_conditioned].max() <= 1e-6, (name, float(diff[well_conditioned].max()))
+        assert diff.max() <= 1e-3, (name, float(diff.max()))  # and nowhere more than a tenth of a step
 
 
 def test_torchrun_two_ranks_trains_the_same_first_step_as_one_process(tmp_path):
