@@ -142,19 +142,23 @@ class _Session:
     turns: int = 0
     pending_evict: list[tuple[int, int]] = field(default_factory=list)  # in the ledger, not yet on the server
 
-    def sampling_with_evictions(self, sampling: dict) -> dict:
-        """``sampling`` plus the pending eviction (flat ``[start, end, start, end, ...]``: SGLang's custom
-        parameters hold flat lists), sorted, adjacent spans merged."""
-        if not self.pending_evict:
-            return sampling
+    def pending_spans(self) -> list[list[int]]:
+        """The pending eviction's spans, sorted, adjacent ones merged."""
         merged: list[list[int]] = []
         for start, stop in sorted(self.pending_evict):
             if merged and merged[-1][1] == start:
                 merged[-1][1] = stop
             else:
                 merged.append([start, stop])
-        custom = dict(sampling.get("custom_params") or {}, **{EVICT_PARAM: [p for span in merged for p in span]})
-        return dict(sampling, custom_params=custom)
+        return merged
+
+    def sampling_with_evictions(self, sampling: dict) -> dict:
+        """``sampling`` plus the pending eviction (flat ``[start, end, start, end, ...]``: SGLang's custom
+        parameters hold flat lists)."""
+        if not self.pending_evict:
+            return sampling
+        flat = [p for span in self.pending_spans() for p in span]
+        return dict(sampling, custom_params=dict(sampling.get("custom_params") or {}, **{EVICT_PARAM: flat}))
 
     def request_ids(self, upto: int | None = None) -> list[int]:
         ids = self.ledger.token_ids[self.sent:upto]
@@ -303,8 +307,7 @@ class _Streams:
     def _sync(self, sid: int) -> Generator[Call, object, None]:
         s = self._get(sid)
         if s.pending_evict:
-            spans = s.sampling_with_evictions({})["custom_params"][EVICT_PARAM]
-            yield Call("evict", dict(session_id=s.session_id, spans=[spans[i: i + 2] for i in range(0, len(spans), 2)]))
+            yield Call("evict", dict(session_id=s.session_id, spans=s.pending_spans()))
             s.pending_evict.clear()
 
     def _close(self, sid: int) -> Generator[Call, object, None]:

@@ -39,17 +39,20 @@ class StreamRouter:
             raise ValueError(f"StreamRouter needs distinct server URLs, got {urls}")
         self.clients = [SGLangClient(u, kv_dtype=kv_dtype, timeout_s=timeout_s) for u in urls]
         self.urls = [c.base_url for c in self.clients]
-        self._route: dict[int, tuple[int, int, str]] = {}  # sid -> (server, the server client's sid, prompt key)
+        self._route: dict[int, tuple[int, int, str | None]] = {}  # sid -> (server, the server client's sid, prompt key)
         self._prompts = [Counter() for _ in urls]  # open streams per prompt key, per server
         self.opened = [0] * len(urls)  # streams opened on each server so far
         self._sids = itertools.count()
 
     # ---- routing ----
-    def server_of(self, sid: int) -> int:
+    def _entry(self, sid: int) -> tuple[int, int, str | None]:
         try:
-            return self._route[sid][0]
+            return self._route[sid]
         except KeyError:
             raise KeyError(f"stream {sid} is not open") from None
+
+    def server_of(self, sid: int) -> int:
+        return self._entry(sid)[0]
 
     def open_streams(self) -> list[int]:
         """Open streams per server."""
@@ -62,9 +65,7 @@ class StreamRouter:
         return min(candidates, key=lambda i: (load[i], i))
 
     def _at(self, sid: int) -> tuple[SGLangClient, int]:
-        i, inner, _ = self._route.get(sid, (None, None, None))
-        if i is None:
-            raise KeyError(f"stream {sid} is not open")
+        i, inner, _ = self._entry(sid)
         return self.clients[i], inner
 
     # ---- EngineClient ----

@@ -172,12 +172,9 @@ class KVStreamRadixCache(RadixCache):
             return self._empty_match_result
         setattr(req, OFFSET_ATTR, state.offset)
         if self.side_rows is not None and not state.computed:
-            key = self._prompt_key(state)
-            if key not in self.prompt_sides:
+            if self._prompt_key(state) not in self.prompt_sides:
                 return self._empty_match_result  # kv4rl: the first turn writes its prompt's INT8 copies in its row
-            if not state.prompt_counted:  # the snapshot stays while this stream is open (it loads it before its extend)
-                self.prompt_streams[key] += 1
-                state.prompt_counted = True
+            self._count_prompt(state)  # the snapshot stays while this stream is open (it loads it before its extend)
         return result
 
     def cache_unfinished_req(self, req, chunked=False):
@@ -317,7 +314,7 @@ class KVStreamRadixCache(RadixCache):
             return None
         if len(req.prefix_indices) >= min(state.shared_prefix_len, len(req.full_untruncated_fill_ids) - 1):
             return None
-        return state.extra_key, state.prompt.tobytes()
+        return self._prompt_key(state)
 
     # ---- kv4rl side rows ----
     def load_side_rows(self, reqs) -> None:
@@ -336,7 +333,15 @@ class KVStreamRadixCache(RadixCache):
 
     @staticmethod
     def _prompt_key(state: StreamState) -> tuple:
+        """A shared prefix's identity: its radix namespace and its tokens."""
         return state.extra_key, state.prompt.tobytes()
+
+    def _count_prompt(self, state: StreamState) -> None:
+        """``state`` is one of the open streams that keep its prompt's snapshot (once)."""
+        if not state.prompt_counted:
+            key = self._prompt_key(state)
+            self.prompt_streams[key] = self.prompt_streams.get(key, 0) + 1
+            state.prompt_counted = True
 
     def _snapshot_prompt(self, state: StreamState, req) -> None:
         """After a first turn's prefill, when its input is exactly the shared prefix: its side row becomes the
@@ -351,8 +356,7 @@ class KVStreamRadixCache(RadixCache):
             snapshot = self.side_rows.empty()
             self.side_rows.save(snapshot, req.req_pool_idx)
             self.prompt_sides[key] = snapshot
-        self.prompt_streams[key] = self.prompt_streams.get(key, 0) + 1
-        state.prompt_counted = True
+        self._count_prompt(state)
 
     def _forget_prompt(self, state: StreamState) -> None:
         if not state.prompt_counted:
