@@ -169,7 +169,19 @@ def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
         if a.prefill_graph != "default":
             flags += ["--cuda-graph-backend-prefill", a.prefill_graph]
         env = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
+    flags += turn_batching_flags(setup, a.turn_batching, a.turn_batch_max_delay_ms)
     return Server(cfg, a.model, port, log_dir / f"server_{setup.name}.log", flags=flags, env=env)
+
+
+def turn_batching_flags(setup: Setup, ratio: float, max_delay_ms: float) -> list[str]:
+    """The same prefill-holding rule on every server: SGLang's prefill delayer (queue trigger) on stock, which runs
+    overlap scheduling, and ours (``sglang_ext.turn_batching``) where kv streams turn overlap scheduling off."""
+    if not ratio:
+        return []
+    if setup.client == "stock":
+        return ["--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", str(ratio),
+                "--prefill-delayer-max-delay-ms", str(max_delay_ms)]
+    return ["--kv-streams-turn-batch-ratio", str(ratio), "--kv-streams-turn-batch-max-delay-ms", str(max_delay_ms)]
 
 
 def model_dims(model: str) -> tuple[int, int, int, str]:
@@ -540,6 +552,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--prefill-graph", default="default", choices=("default", "breakable", "disabled"),
                    help="every server's --cuda-graph-backend-prefill (default: SGLang's choice, breakable on CUDA: "
                         "each layer's attention runs eagerly between graph segments)")
+    g.add_argument("--turn-batching", type=float, default=0.0,
+                   help="hold prefills back while fewer than RATIO x running requests wait, on every server (stock:\n"
+                        "--enable-prefill-delayer --prefill-delayer-queue-min-ratio; ours: --kv-streams-turn-batch-ratio)")
+    g.add_argument("--turn-batch-max-delay-ms", type=float, default=30.0)
     g.add_argument("--max-total-tokens", type=int, default=12288, help="KV pool tokens on a CPU (--device cpu)")
     g = p.add_argument_group("episodes")
     g.add_argument("--data", type=Path, default=DATA)
@@ -685,6 +701,7 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
         configs=a.configs, strategies=strategies, mem_fraction_static=a.mem_fraction if a.device != "cpu" else None,
         max_total_tokens=a.max_total_tokens if a.device == "cpu" else None,
         max_running_requests=a.max_running_requests, prefill_graph=a.prefill_graph,
+        turn_batching=a.turn_batching, turn_batch_max_delay_ms=a.turn_batch_max_delay_ms,
         length_scale=a.length_scale, window=a.window, markovian_turns=a.markovian_turns,
         summary_turns=a.summary_turns, summary_tokens=a.summary_tokens,
         warmup_s=a.warmup, duration_s=a.duration, budget_s=a.budget_s, seed=a.seed, template=dataclasses.asdict(

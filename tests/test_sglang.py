@@ -261,6 +261,8 @@ cases = {
     "cache": dict(enable_kv_streams=True, radix_cache_backend="flexkv"),
     "hicache": dict(enable_kv_streams=True, enable_hierarchical_cache=True),
     "dp": dict(enable_kv_streams=True, enable_dp_attention=True),
+    "turn_batch": dict(kv4rl=True, kv_streams_turn_batch_ratio=0.25),
+    "turn_batch_ratio": dict(enable_kv_streams=True, kv_streams_turn_batch_ratio=-1.0),
 }
 cuda_cases = {  # graph modes are checked on the resolved config (device cuda: it resolves on a CPU box too)
     "prefill_graph": dict(kv4rl=True, cuda_graph_backend_prefill="full"),
@@ -290,6 +292,7 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "--page-size must be 1" in out and "drop --attention-backend" in out and "--kv-cache-dtype" in out
     assert "does not support --disable-radix-cache" in out and "--radix-cache-backend flexkv" in out
     assert "--enable-hierarchical-cache" in out and "--enable-dp-attention" in out
+    assert "--kv-streams-turn-batch-ratio needs --enable-kv-streams" in out and "must be >= 0, got -1.0" in out
     assert "ok kv4rl 1 False True True 256 kvstreams lpm" in out
     assert "prefill CUDA graph backend must be 'breakable'" in out and "'breakable' decode graph" in out
     assert "--enable-torch-compile" in out and "--enable-mixed-chunk" in out and "--prefill-attention-backend" in out
@@ -313,7 +316,7 @@ def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):
 
 
 @contextlib.contextmanager
-def kv4rl_server_process(model_path, log: Path):
+def kv4rl_server_process(model_path, log: Path, *flags: str):
     """A ``--kv4rl --enable-kv-streams`` SGLang HTTP server on the CPU (its URL while the block runs)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -322,7 +325,7 @@ def kv4rl_server_process(model_path, log: Path):
             [sys.executable, "-m", "kvstreams_sglang.launch_server", "--model-path", str(model_path),
              "--device", "cpu", "--dtype", "float32", "--kv4rl", "--enable-kv-streams", "--sampling-backend",
              "pytorch", "--grammar-backend", "none", "--max-total-tokens", "16384", "--max-running-requests", "16",
-             "--port", str(port), "--skip-server-warmup", "--log-level", "warning"],
+             "--port", str(port), "--skip-server-warmup", "--log-level", "warning", *flags],
             env=sglang_env(), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
         wait_ready(url, server, log)
@@ -889,3 +892,43 @@ def test_random_stream_operations_leave_the_pool_whole(kv4rl_server):
     status, _ = post(kv4rl_server, "/flush_cache", {})
     _, info = post(kv4rl_server, "/kvstreams/pool_info", {})
     assert status == 200 and info["available_tokens"] == info["total_tokens"], info
+
+
+def test_turn_batching_holds_a_lone_prefill_back_until_enough_wait_or_the_delay_ends(tiny_model_path, tmp_path):
+    """``--kv-streams-turn-batch-ratio 4``: while one request decodes, a lone new request waits (the running one
+    decodes) until the delay ends; four arriving together (4 >= 4 x 1 running) go at once. Every request still
+    gets its tokens; the counters in /kvstreams/pool_info say which rule released each held prefill."""
+    import threading
+    import time
+
+    flags = ("--kv-streams-turn-batch-ratio", "4", "--kv-streams-turn-batch-max-delay-ms", "400")
+    with kv4rl_server_process(tiny_model_path, tmp_path / "server.log", *flags) as url:
+        results = {}
+
+        def generate(name, n):
+            results[name] = post(url, "/generate", dict(input_ids=[5 + len(name), 9, 11, 13], sampling_params=dict(
+                max_new_tokens=n, ignore_eos=True, temperature=0.0)))
+
+        def started(name, n):
+            t = threading.Thread(target=generate, args=(name, n))
+            t.start()
+            return t
+
+        _, before = post(url, "/kvstreams/pool_info", {})
+        long = started("long", 2000)  # decodes through both waves below
+        time.sleep(1.0)
+        lone = started("lone", 3)
+        lone.join(timeout=120)
+        _, after_lone = post(url, "/kvstreams/pool_info", {})
+        wave = [started(f"w{i}", 3) for i in range(4)]
+        for t in wave:
+            t.join(timeout=120)
+        _, after_wave = post(url, "/kvstreams/pool_info", {})
+        long.join(timeout=300)
+    assert before["turn_batch_held_passes"] == 0
+    assert after_lone["turn_batch_held_passes"] > 0 and after_lone["turn_batch_released_timeout"] == 1, after_lone
+    assert after_lone["turn_batch_released_full"] == 0
+    assert after_wave["turn_batch_released_full"] >= 1, after_wave
+    for name, n in dict(long=2000, lone=3, w0=3, w1=3, w2=3, w3=3).items():
+        status, out = results[name]
+        assert status == 200 and len(out["output_ids"]) == n, (name, out)

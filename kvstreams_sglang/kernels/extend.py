@@ -16,6 +16,8 @@ Reference: ``kv4.reference.extend_reference``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -152,7 +154,20 @@ _PARTIAL_BYTES = 64 << 20  # cap on the split partials' scratch (fp32 outputs of
 
 
 def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:  # (asked once per layer of every prefill step otherwise)
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _kernel_operand(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` in ``dtype`` with unit stride in the last dim (the kernels take the other strides): no copy when it
+    already is (SGLang's q/k/v are views of one projection)."""
+    x = x if x.dtype == dtype else x.to(dtype)
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def extend_splits(programs: int, n: int, hq: int, d: int, device: torch.device) -> int:
@@ -181,7 +196,7 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
     group = hq // hkv
     sm_scale = sm_scale if sm_scale is not None else d ** -0.5
     compute = torch.float32 if q.dtype == torch.float64 else q.dtype
-    qc, kc, vc = (x.to(compute).contiguous() for x in (q, k_new, v_new))
+    qc, kc, vc = (_kernel_operand(x, compute) for x in (q, k_new, v_new))
     q8 = kv4_quantize_query(q, rotate=rotate)
     codes, qscale = q8.codes.contiguous(), q8.scale.contiguous()
     out = torch.empty(n, hq, d, dtype=compute, device=q.device)

@@ -9,6 +9,7 @@ find NVRTC or to compile, falls back to Triton.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from typing import NamedTuple
 
@@ -26,6 +27,24 @@ WARPS = 1  # store_cuda.cu: warps per CTA (default), 16 token-head vectors per w
 class StoreKernel(NamedTuple):
     function: ctypes.c_void_p  # CUfunction (loaded by ``KERNEL``, which keeps its module)
     warps: int  # per CTA
+    args: _Args  # its launch arguments, filled in place per launch
+
+
+class _Args:
+    """``kv4_store``'s kernel parameters as persistent ctypes values and their ``void*[]``, packed once: a launch
+    sets the values (cuLaunchKernel copies them, also into a graph being captured). Packing ~24 ctypes values
+    per call cost more host time than the launch itself, once per layer of every step."""
+
+    LAYOUT = ([ctypes.c_uint64] * 2 + [ctypes.c_longlong] * 4 + [ctypes.c_uint64] * 2 + [ctypes.c_int] * 2
+              + [ctypes.c_uint64] * 8 + [ctypes.c_int] * 2)
+
+    def __init__(self):
+        self.vals = [t() for t in self.LAYOUT]
+        self.params = cuda_rtc.pack_params(self.vals)
+
+    def set(self, values) -> None:
+        for slot, v in zip(self.vals, values, strict=True):
+            slot.value = v
 
 
 def build(arch: tuple[int, int], defines: dict, *, with_log: bool = False):
@@ -38,8 +57,19 @@ def kernel(hkv: int, dtype: torch.dtype, device: torch.device, opts: dict | None
     compilation failed (then never retried; the error is kept in ``KERNEL.errors``). ``opts``: store_cuda.cu
     defines (bench variants: WARPS, MIN_BLOCKS, LDHINT)."""
     defines = dict(HKV=hkv, QTYPE=QTYPES[dtype], WARPS=WARPS) | dict(opts or {})
-    loaded = KERNEL.load(device, defines)
-    return None if loaded is None else StoreKernel(loaded.function, defines["WARPS"])
+    key = (str(device), tuple(sorted(defines.items())))
+    if key not in _KERNELS:
+        loaded = KERNEL.load(device, defines)
+        _KERNELS[key] = None if loaded is None else StoreKernel(loaded.function, defines["WARPS"], _Args())
+    return _KERNELS[key]
+
+
+_KERNELS: dict = {}
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def _rows_ok(x: torch.Tensor) -> bool:
@@ -61,7 +91,7 @@ def supported(cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: tor
             and all(t.is_contiguous() and t.device == k.device for t in cache_tensors)
             and slots.dtype in (torch.int32, torch.int64) and side_slots.dtype in (torch.int32, torch.int64)
             and slots.is_contiguous() and side_slots.is_contiguous()
-            and n * hkv < 2 ** 31 and torch.cuda.get_device_capability(k.device) >= (8, 0))
+            and n * hkv < 2 ** 31 and _capability(k.device) >= (8, 0))
 
 
 def store(fn: StoreKernel, cache: KV4LayerCache, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -72,14 +102,12 @@ def store(fn: StoreKernel, cache: KV4LayerCache, k: torch.Tensor, v: torch.Tenso
     n, hkv, _ = k.shape
     nvec = n * hkv
     c = cache
-    ptrs = (k, v)
-    vals = [ctypes.c_uint64(t.data_ptr()) for t in ptrs]
-    vals += [ctypes.c_longlong(s) for s in (k.stride(0), k.stride(1), v.stride(0), v.stride(1))]
-    vals += [ctypes.c_uint64(slots.data_ptr()), ctypes.c_uint64(side_slots.data_ptr()),
-             ctypes.c_int(int(slots.dtype == torch.int64)), ctypes.c_int(int(side_slots.dtype == torch.int64))]
-    vals += [ctypes.c_uint64(t.data_ptr()) for t in (c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side,
-                                                     c.k_side_scale, c.v_side, c.v_side_scale)]
-    vals += [ctypes.c_int(nvec), ctypes.c_int(int(rotate))]
+    fn.args.set((k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                 slots.data_ptr(), side_slots.data_ptr(), int(slots.dtype == torch.int64),
+                 int(side_slots.dtype == torch.int64),
+                 c.k_codes.data_ptr(), c.k_meta.data_ptr(), c.v_codes.data_ptr(), c.v_meta.data_ptr(),
+                 c.k_side.data_ptr(), c.k_side_scale.data_ptr(), c.v_side.data_ptr(), c.v_side_scale.data_ptr(),
+                 nvec, int(rotate)))
     blocks = (nvec + 16 * fn.warps - 1) // (16 * fn.warps)
     stream = torch.cuda.current_stream(k.device).cuda_stream  # the capturing stream under a CUDA graph
-    cuda_rtc.launch(fn.function, (blocks, 1, 1), (32 * fn.warps, 1, 1), 0, stream, cuda_rtc.pack_params(vals))
+    cuda_rtc.launch(fn.function, (blocks, 1, 1), (32 * fn.warps, 1, 1), 0, stream, fn.args.params)

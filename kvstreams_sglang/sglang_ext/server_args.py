@@ -45,6 +45,8 @@ class KVStreamsServerArgs(ServerArgs):
     kv4rl_sink: int = 16
     kv4rl_recent: int = 128
     enable_kv_streams: bool = False
+    kv_streams_turn_batch_ratio: float = 0.0
+    kv_streams_turn_batch_max_delay_ms: float = 30.0
 
     def __post_init__(self):
         self._check_kvstreams()
@@ -59,6 +61,13 @@ class KVStreamsServerArgs(ServerArgs):
         if self.kv4rl_sink < 0 or self.kv4rl_recent < 0:
             raise ServerArgsError(f"--kv4rl-sink and --kv4rl-recent must be >= 0, got {self.kv4rl_sink}, "
                                   f"{self.kv4rl_recent}")
+        if self.kv_streams_turn_batch_ratio < 0 or self.kv_streams_turn_batch_max_delay_ms < 0:
+            raise ServerArgsError(f"--kv-streams-turn-batch-ratio and --kv-streams-turn-batch-max-delay-ms must be "
+                                  f">= 0, got {self.kv_streams_turn_batch_ratio}, "
+                                  f"{self.kv_streams_turn_batch_max_delay_ms}")
+        if self.kv_streams_turn_batch_ratio and not self.enable_kv_streams:
+            raise ServerArgsError("--kv-streams-turn-batch-ratio needs --enable-kv-streams (without it SGLang's own "
+                                  "--enable-prefill-delayer --prefill-delayer-queue-min-ratio does the same)")
         if self.kv4rl:
             for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
                 if getattr(self, field) not in (None, BACKEND_NAME):
@@ -148,6 +157,12 @@ class KVStreamsServerArgs(ServerArgs):
         group.add_argument("--enable-kv-streams", action="store_true",
                            help="KV streams: streaming sessions in the radix tree (a shared prefix, then a private "
                                 "branch) with in-place span eviction (POST /kvstreams/open, /kvstreams/evict)")
+        group.add_argument("--kv-streams-turn-batch-ratio", type=float, default=0.0,
+                           help="hold a prefill back (decode instead) while fewer than RATIO x running requests "
+                                "wait, so that agent turns share prefill steps (0: off; e.g. 0.25). SGLang's "
+                                "--enable-prefill-delayer needs overlap scheduling, which kv streams turn off")
+        group.add_argument("--kv-streams-turn-batch-max-delay-ms", type=float, default=30.0,
+                           help="turn batching: the longest a prefill is held back")
 
 
 def prepare_server_args(argv: list[str]) -> KVStreamsServerArgs:
