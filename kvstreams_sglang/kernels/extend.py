@@ -158,7 +158,7 @@ def _sm_count(device: torch.device) -> int:
         if device.type == "cuda" else 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sm_count(index: int) -> int:  # (asked once per layer of every prefill step otherwise)
     return torch.cuda.get_device_properties(index).multi_processor_count
 

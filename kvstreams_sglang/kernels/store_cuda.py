@@ -67,7 +67,7 @@ def kernel(hkv: int, dtype: torch.dtype, device: torch.device, opts: dict | None
 _KERNELS: dict = {}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
