@@ -553,8 +553,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="every server's --cuda-graph-backend-prefill (default: SGLang's choice, breakable on CUDA: "
                         "each layer's attention runs eagerly between graph segments)")
     g.add_argument("--turn-batching", type=float, default=0.0,
-                   help="hold prefills back while fewer than RATIO x running requests wait, on every server\n(stock: "
-                        "--enable-prefill-delayer --prefill-delayer-queue-min-ratio; ours: --kv-streams-turn-batch-ratio)")
+                   help="hold prefills back while fewer than RATIO x running requests wait, on every server\n"
+                        "(stock: --enable-prefill-delayer --prefill-delayer-queue-min-ratio;\n"
+                        "ours: --kv-streams-turn-batch-ratio)")
     g.add_argument("--turn-batch-max-delay-ms", type=float, default=30.0)
     g.add_argument("--max-total-tokens", type=int, default=12288, help="KV pool tokens on a CPU (--device cpu)")
     g = p.add_argument_group("episodes")

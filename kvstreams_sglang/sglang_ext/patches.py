@@ -13,8 +13,8 @@
   waiting queue (SGLang would leave the session busy for good); ``PrefillAdder.add_one_req`` holds
   a stream's first turn back one round while a sibling with the same shared prefix is in the
   batch, so the prefix is computed once; ``Scheduler._get_new_batch_prefill_raw`` holds a prefill back
-  while ``turn_batching`` says so (``--kv-streams-turn-batch-ratio``); the scheduler gets ``kvstreams_*`` RPC methods (open,
-  evict, session info, pool info) whose arguments and results travel as JSON (``RPC_ARGS``:
+  while ``turn_batching`` says so (``--kv-streams-turn-batch-ratio``); the scheduler gets ``kvstreams_*``
+  RPC methods (open, evict, session info, pool info) whose arguments and results travel as JSON (``RPC_ARGS``:
   SGLang's RPC parameters are flat scalars).
 - kv4rl: the ``kv4rl`` attention backend is registered; ``KVCacheConfigurator`` builds
   ``KV4TokenToKVPool`` where it would build ``MHATokenToKVPool``; capacity profiling uses the
