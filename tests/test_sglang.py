@@ -896,39 +896,51 @@ def test_random_stream_operations_leave_the_pool_whole(kv4rl_server):
 
 def test_turn_batching_holds_a_lone_prefill_back_until_enough_wait_or_the_delay_ends(tiny_model_path, tmp_path):
     """``--kv-streams-turn-batch-ratio 4``: while one request decodes, a lone new request waits (the running one
-    decodes) until the delay ends; four arriving together (4 >= 4 x 1 running) go at once. Every request still
-    gets its tokens; the counters in /kvstreams/pool_info say which rule released each held prefill."""
+    decodes) until the delay ends; four arriving together (one batch request: 4 >= 4 x 1 running) go at once; two
+    wait until two more arrive. Every request still gets its tokens; the counters in /kvstreams/pool_info say which
+    rule released each held prefill."""
     import threading
     import time
 
-    flags = ("--kv-streams-turn-batch-ratio", "4", "--kv-streams-turn-batch-max-delay-ms", "400")
+    flags = ("--kv-streams-turn-batch-ratio", "4", "--kv-streams-turn-batch-max-delay-ms", "1500")
     with kv4rl_server_process(tiny_model_path, tmp_path / "server.log", *flags) as url:
         results = {}
 
-        def generate(name, n):
-            results[name] = post(url, "/generate", dict(input_ids=[5 + len(name), 9, 11, 13], sampling_params=dict(
+        def generate(name, ids, n):
+            results[name] = post(url, "/generate", dict(input_ids=ids, sampling_params=dict(
                 max_new_tokens=n, ignore_eos=True, temperature=0.0)))
 
-        def started(name, n):
-            t = threading.Thread(target=generate, args=(name, n))
+        def started(name, ids, n):
+            t = threading.Thread(target=generate, args=(name, ids, n))
             t.start()
             return t
 
         _, before = post(url, "/kvstreams/pool_info", {})
-        long = started("long", 2000)  # decodes through both waves below
+        long = started("long", [5, 9, 11, 13], 1500)  # decodes through both waves below
         time.sleep(1.0)
-        lone = started("lone", 3)
-        lone.join(timeout=120)
+        t0 = time.monotonic()
+        generate("lone", [6, 9, 11, 13], 3)
+        lone_s = time.monotonic() - t0
         _, after_lone = post(url, "/kvstreams/pool_info", {})
-        wave = [started(f"w{i}", 3) for i in range(4)]
-        for t in wave:
-            t.join(timeout=120)
+        generate("wave", [[7 + i, 9, 11, 13] for i in range(4)], 3)  # 4 >= 4 x 1 running: not held at all
         _, after_wave = post(url, "/kvstreams/pool_info", {})
+        first_half = started("half1", [[12 + i, 9, 11, 13] for i in range(2)], 3)  # held: 2 < 4 ...
+        time.sleep(0.3)
+        generate("half2", [[14 + i, 9, 11, 13] for i in range(2)], 3)  # ... until these two arrive
+        first_half.join(timeout=120)
+        _, after_halves = post(url, "/kvstreams/pool_info", {})
         long.join(timeout=300)
+        assert long.is_alive() is False
     assert before["turn_batch_held_passes"] == 0
     assert after_lone["turn_batch_held_passes"] > 0 and after_lone["turn_batch_released_timeout"] == 1, after_lone
-    assert after_lone["turn_batch_released_full"] == 0
-    assert after_wave["turn_batch_released_full"] >= 1, after_wave
-    for name, n in dict(long=2000, lone=3, w0=3, w1=3, w2=3, w3=3).items():
-        status, out = results[name]
-        assert status == 200 and len(out["output_ids"]) == n, (name, out)
+    assert after_lone["turn_batch_released_full"] == 0 and lone_s >= 1.5
+    counters = ("turn_batch_held_passes", "turn_batch_released_full", "turn_batch_released_timeout")
+    assert [after_wave[k] for k in counters] == [after_lone[k] for k in counters], json.dumps(after_wave)
+    assert after_halves["turn_batch_held_passes"] > after_wave["turn_batch_held_passes"]
+    assert after_halves["turn_batch_released_full"] == 1 and after_halves["turn_batch_released_timeout"] == 1
+    status, out = results["long"]
+    assert status == 200 and len(out["output_ids"]) == 1500, out
+    assert results["lone"][0] == 200 and len(results["lone"][1]["output_ids"]) == 3
+    for name in ("wave", "half1", "half2"):
+        status, outs = results[name]
+        assert status == 200 and [len(o["output_ids"]) for o in outs] == [3] * (4 if name == "wave" else 2), outs
