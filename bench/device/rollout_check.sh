@@ -14,6 +14,9 @@
 #   ~90 s for the others; the JIT cache comes back as $OUT/jit_cache.tar.xz (carry it as .devcache/jit_cache.tar.xz:
 #   bench/device/bundle.sh restores it);
 # - the first ~10 s of a server's traffic still compiles kernels: --warmup 15;
+# - (2026-12-03) turn batching decides ours vs stock on these episodes: TURN_BATCHING=0.25 TURN_BATCH_MS=40 gave ours
+#   kv4rl 1.22x stock (rollout_sglang_h200.json), 0.5/60 1.46x, none 0.85x; with the JIT cache carried a server
+#   starts in 60-110 s;
 # - PROFILE=40 records 40 steps of each server with SGLang's torch profiler, summarised into the JSON (bench.trace_summary).
 # Needs the SGLang bundle at .device_sgl (bash ../shared/device/sglang_bundle.sh .device_sgl; carry .device_sgl).
 set -o pipefail
