@@ -196,9 +196,8 @@ def turn_batcher(scheduler):
     if batcher is None:
         from .turn_batching import TurnBatcher
 
-        args = scheduler.server_args
-        batcher = TurnBatcher(getattr(args, "kv_streams_turn_batch_ratio", 0.0),
-                              getattr(args, "kv_streams_turn_batch_max_delay_ms", 0.0))
+        args = scheduler.server_args  # (KVStreamsServerArgs: installed only under --enable-kv-streams)
+        batcher = TurnBatcher(args.kv_streams_turn_batch_ratio, args.kv_streams_turn_batch_max_delay_ms)
         scheduler._kvstreams_turn_batcher = batcher
     return batcher
 

@@ -29,7 +29,7 @@ class TurnBatcher:
         self.held_since: float | None = None
         self.counters = dict(turn_batch_held_passes=0, turn_batch_released_full=0, turn_batch_released_timeout=0)
 
-    def hold(self, *, running: int, waiting: int, allocatable: int, chunked: bool, now: float | None = None) -> bool:
+    def hold(self, *, running: int, waiting: int, allocatable: int, chunked: bool) -> bool:
         """Whether this scheduler pass runs no prefill (the running batch decodes instead)."""
         if not self.ratio or not running or not waiting or chunked:
             self._release(None)
@@ -38,7 +38,7 @@ class TurnBatcher:
         if waiting >= want:
             self._release("turn_batch_released_full")
             return False
-        now = time.perf_counter() if now is None else now
+        now = time.perf_counter()
         if self.held_since is None:
             self.held_since = now
         elif now - self.held_since >= self.max_delay_s:
