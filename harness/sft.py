@@ -222,26 +222,34 @@ class WarmStart:
 
 
 async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskSet, renderer: ChatRenderer,
-                     device: torch.device, out: Path, *, console=None) -> WarmStart:
+                     device: torch.device, out: Path, *, console=None,
+                     compactions: list[CompactionConfig] | None = None) -> WarmStart:
     """SFT from ``base_path`` on the train split's expert episodes rendered under ``cfg.compaction``, with the
     early stop of ``sft.stop_train_win_rate`` (greedy play of ``sft.check_games`` train games through the
     run's engine every ``sft.check_every`` steps); ``out/metrics.jsonl``, ``out/metrics.png`` and the
     checkpoint ``out/model``. The expert command loss is measured on ``sft.probe_episodes`` expert episodes
-    of the eval split before and after."""
+    of the eval split before and after.
+
+    ``compactions``: render the episodes under each of these instead, in equal shares (the same games), for one
+    checkpoint that several runs start from: a model that only ever saw KV-streams contexts (kept turns computed
+    while the dropped ones were visible) need not act on re-prefilled ones, and the other way round."""
     from rich.console import Console
     from rich.progress import Progress
 
     console = console or Console()
     ep_cfg = episode_config(cfg, temperature=1.0)
+    renderings = compactions or [cfg.compaction]
     with Progress(transient=True, console=console) as progress:
-        bar = progress.add_task("expert episodes", total=sft.episodes + sft.probe_episodes)
-        records = await expert_records(taskset, renderer, cfg.compaction, ep_cfg, sft,
-                                       split=cfg.environment.train_split, seed=cfg.run.seed,
-                                       on_episode=lambda: progress.advance(bar))
-        probe = await expert_records(taskset, renderer, cfg.compaction, ep_cfg,
-                                     sft.model_copy(update={"episodes": sft.probe_episodes}),
-                                     split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
-                                     on_episode=lambda: progress.advance(bar))
+        bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
+        records, probe = [], []
+        for compaction in renderings:
+            records += await expert_records(taskset, renderer, compaction, ep_cfg, sft,
+                                            split=cfg.environment.train_split, seed=cfg.run.seed,
+                                            on_episode=lambda: progress.advance(bar))
+            probe += await expert_records(taskset, renderer, compaction, ep_cfg,
+                                          sft.model_copy(update={"episodes": sft.probe_episodes}),
+                                          split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
+                                          on_episode=lambda: progress.advance(bar))
     compacted = sum(1 for r in records if r.evictions)
     command_tokens = sum(sum(r.loss_mask) for r in records)
     console.print(f"{len(records)} expert episode records ({compacted} compacted), {command_tokens} command tokens")

@@ -1,6 +1,6 @@
 """Run the real ``sglang.Engine`` (kv-streams, optionally kv4rl) on CPU and dump what the tests check.
 
-    python tests/sglang_session.py MODEL_DIR OUT.json [--kv4rl]
+    python tests/sglang_session.py MODEL_DIR OUT.json [--kv4rl] [--disable-overlap-schedule]
 
 Run as a subprocess (SGLang spawns its scheduler; a scheduler crash SIGQUITs its parent), with
 ``tests/sglang_cpu_shims`` on PYTHONPATH and ``SGLANG_USE_CPU_ENGINE=1``. One engine, a KV pool of
@@ -185,7 +185,7 @@ def pressure_scenario(eng, params, res: dict) -> None:
         streams.close(f)
 
 
-def main(model: str, out: str, kv4rl: bool) -> None:
+def main(model: str, out: str, kv4rl: bool, overlap: bool) -> None:
     from kvstreams_sglang.engine import SamplingParams
     from kvstreams_sglang.sglang_ext.client import EngineStreams
     from kvstreams_sglang.sglang_ext.engine import KVStreamsEngine
@@ -193,8 +193,10 @@ def main(model: str, out: str, kv4rl: bool) -> None:
     eng = KVStreamsEngine(model_path=model, device="cpu", dtype="float32", kv4rl=kv4rl, enable_kv_streams=True,
                           attention_backend=None if kv4rl else "torch_native", sampling_backend="pytorch",
                           grammar_backend="none", max_total_tokens=POOL_TOKENS, skip_server_warmup=True,
-                          log_level="error")
-    res: dict = {"pool_start": eng.pool_info(), "seconds": {}}  # seconds: per scenario, for the suite's budget
+                          disable_overlap_schedule=not overlap, log_level="error")
+    # seconds: per scenario, for the suite's budget
+    res: dict = {"pool_start": eng.pool_info(), "seconds": {},
+                 "overlap_schedule": not eng.server_args.disable_overlap_schedule}
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
     t = time.monotonic()
     main_scenario(eng, EngineStreams(eng), params, res)
@@ -213,4 +215,4 @@ def main(model: str, out: str, kv4rl: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--kv4rl" in sys.argv[3:])
+    main(sys.argv[1], sys.argv[2], "--kv4rl" in sys.argv[3:], "--disable-overlap-schedule" not in sys.argv[3:])

@@ -58,6 +58,13 @@ def bf16_run(tiny_model_path, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def bf16_run_no_overlap(tiny_model_path, tmp_path_factory):
+    """The same session on SGLang's non-overlap scheduler: it runs no extra decode step of a finished turn."""
+    return run_session(tiny_model_path, tmp_path_factory.mktemp("sgl") / "bf16_no_overlap.json",
+                       "--disable-overlap-schedule")
+
+
+@pytest.fixture(scope="module")
 def kv4_run(tiny_model_path, tmp_path_factory):
     return run_session(tiny_model_path, tmp_path_factory.mktemp("sgl") / "kv4.json", "--kv4rl")
 
@@ -71,9 +78,14 @@ def model_logprobs(run) -> torch.Tensor:
     return torch.tensor([lp for t in run["turns"] for lp in t["logprobs"]], dtype=torch.float64)
 
 
-def test_sglang_logprobs_equal_trainer_replay(bf16_run, hf_model):
+@pytest.mark.parametrize("run", ["bf16_run", "bf16_run_no_overlap"])
+def test_sglang_logprobs_equal_trainer_replay(run, hf_model, request):
     """Model-dtype KV: the engine's logprobs over a session with an in-place eviction equal
-    ``stream_logprobs`` on the session's StreamRecord (positions kept, eviction mask)."""
+    ``stream_logprobs`` on the session's StreamRecord (positions kept, eviction mask), with overlap scheduling
+    (the default: a finished turn's extra decode step computes its last token before the next turn's eviction,
+    and the stream cache drops that KV) and without."""
+    bf16_run = request.getfixturevalue(run)
+    assert bf16_run["overlap_schedule"] == (run == "bf16_run")
     record = StreamRecord.model_validate(bf16_run["record"])
     assert [e.at_index for e in record.evictions] and record.meta["engine"] == "sglang"
     with torch.no_grad():
@@ -116,7 +128,7 @@ def test_kv4rl_logprobs_equal_builtin_engine(kv4_run, tiny_model_path, hf_model)
     assert float(diff.max()) <= 1e-4
 
 
-@pytest.mark.parametrize("run", ["bf16_run", "kv4_run"])
+@pytest.mark.parametrize("run", ["bf16_run", "kv4_run", "bf16_run_no_overlap"])
 def test_no_reprefill_after_eviction(run, request):
     r = request.getfixturevalue(run)
     t1, t2, t3, t4 = r["turns"]
@@ -176,7 +188,7 @@ def test_pool_back_to_its_start_after_close(run, request):
     assert r["pool_end"]["open_sessions"] == 0
 
 
-@pytest.mark.parametrize("run", ["bf16_run", "kv4_run"])
+@pytest.mark.parametrize("run", ["bf16_run", "kv4_run", "bf16_run_no_overlap"])
 def test_grpo_siblings_share_their_prompt(run, request):
     """G siblings submitted together: one computes the shared prompt, the others are held back one prefill round
     and find it in the tree (prefix hits = (G-1) x prompt); the prompt's slots exist once. Under kv4rl these first
@@ -293,7 +305,7 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "does not support --disable-radix-cache" in out and "--radix-cache-backend flexkv" in out
     assert "--enable-hierarchical-cache" in out and "--enable-dp-attention" in out
     assert "--kv-streams-turn-batch-ratio needs --enable-kv-streams" in out and "must be >= 0, got -1.0" in out
-    assert "ok kv4rl 1 False True True 256 kvstreams lpm" in out
+    assert "ok kv4rl 1 False True False 256 kvstreams lpm" in out  # overlap scheduling stays on
     assert "prefill CUDA graph backend must be 'breakable'" in out and "'breakable' decode graph" in out
     assert "--enable-torch-compile" in out and "--enable-mixed-chunk" in out and "--prefill-attention-backend" in out
     assert "graphs full radix off True" in out  # --kv4rl keeps decode graphs on; its side cache is per row

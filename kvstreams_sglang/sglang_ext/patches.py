@@ -11,11 +11,12 @@
   carries (``sessions.pop_turn_eviction``) in the step that admits it, and pins a stream's turns
   to its radix namespace; ``Scheduler.abort_request`` frees a stream whose turn it drops from the
   waiting queue (SGLang would leave the session busy for good); ``PrefillAdder.add_one_req`` holds
-  a stream's first turn back one round while a sibling with the same shared prefix is in the
-  batch, so the prefix is computed once; ``Scheduler._get_new_batch_prefill_raw`` holds a prefill back
-  while ``turn_batching`` says so (``--kv-streams-turn-batch-ratio``); the scheduler gets ``kvstreams_*``
-  RPC methods (open, evict, session info, pool info) whose arguments and results travel as JSON (``RPC_ARGS``:
-  SGLang's RPC parameters are flat scalars).
+  a stream's first turn back while a sibling that computes the same shared prefix runs (in this
+  batch, or in one whose result is not processed yet: overlap scheduling), so the prefix is computed
+  once; ``Scheduler._get_new_batch_prefill_raw`` holds a prefill back while ``turn_batching`` says so
+  (``--kv-streams-turn-batch-ratio``); the scheduler gets ``kvstreams_*`` RPC methods (open, evict,
+  session info, pool info) whose arguments and results travel as JSON (``RPC_ARGS``: SGLang's RPC
+  parameters are flat scalars).
 - kv4rl: the ``kv4rl`` attention backend is registered; ``KVCacheConfigurator`` builds
   ``KV4TokenToKVPool`` where it would build ``MHATokenToKVPool``; capacity profiling uses the
   KV4 bytes per token (``DefaultPoolConfigurator``'s cell size) and sets the INT8 side cache
@@ -61,6 +62,7 @@ def _install_stream_cache() -> None:
 def _install_positions() -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+    from .host_copy import host_to_device
     from .stream_cache import OFFSET_ATTR, KVStreamRadixCache
 
     original = ForwardBatch.init_new.__func__
@@ -74,10 +76,9 @@ def _install_positions() -> None:
             return ret
         offsets = [getattr(r, OFFSET_ATTR, 0) for r in batch.reqs]
         if any(offsets):
-            off = torch.tensor(offsets, dtype=ret.positions.dtype, device=ret.positions.device)
-            if not ret.forward_mode.is_decode():
-                off = torch.repeat_interleave(off, ret.extend_seq_lens.to(off.device).long())
-            ret.positions = ret.positions + off
+            if not ret.forward_mode.is_decode():  # one offset per new token, laid out on the host
+                offsets = [o for o, n in zip(offsets, ret.extend_seq_lens_cpu, strict=True) for _ in range(n)]
+            ret.positions = ret.positions + host_to_device(offsets, ret.positions.dtype, ret.positions.device)
         return ret
 
     ForwardBatch.init_new = classmethod(init_new)
@@ -165,11 +166,15 @@ def _install_sibling_deferral() -> None:
 
     def add_one_req(self, req, *args, **kwargs):
         cache = self.tree_cache
-        if isinstance(cache, KVStreamRadixCache):
-            prompt = cache.unshared_prompt(req)
-            if prompt is not None and any(cache.unshared_prompt(r) == prompt for r in self.can_run_list):
-                return schedule_policy.AddReqResult.OTHER  # next round: the sibling's prefix is in the tree
-        return original(self, req, *args, **kwargs)
+        if not isinstance(cache, KVStreamRadixCache):
+            return original(self, req, *args, **kwargs)
+        prompt = cache.unshared_prompt(req)
+        if prompt is not None and cache.prompt_in_flight(prompt, req):
+            return schedule_policy.AddReqResult.OTHER  # a later round: the sibling's prefix is in the tree then
+        result = original(self, req, *args, **kwargs)
+        if prompt is not None and req in self.can_run_list:
+            cache.prompts_in_flight[prompt] = req  # this turn computes the prefix
+        return result
 
     Adder.add_one_req = add_one_req
 
@@ -327,7 +332,7 @@ def _install_kv4rl() -> None:
                 raise RuntimeError("--kv4rl: post-capture KV sizing (SGLANG_ENABLE_POST_CAPTURE_KV_SIZING) is not "
                                    "supported")
             return KV4TokenToKVPool(*args, sink=sink, recent=recent, num_rows=req_to_token_pool.req_to_token.shape[0],
-                                    **pool_kwargs)
+                                    forward_stream=self.forward_stream, **pool_kwargs)
 
         mha = configurator_module.MHATokenToKVPool
         configurator_module.MHATokenToKVPool = make_pool

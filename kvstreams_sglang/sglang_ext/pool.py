@@ -19,8 +19,9 @@ from ..streams.pool import KV4Pool, kv4_layers
 
 
 class KV4TokenToKVPool(MHATokenToKVPool):
-    def __init__(self, *args, sink: int, recent: int, num_rows: int, **kwargs):
+    def __init__(self, *args, sink: int, recent: int, num_rows: int, forward_stream=None, **kwargs):
         self.sink, self.recent, self.num_rows = sink, recent, num_rows
+        self.forward_stream = forward_stream  # the model runner's: side-row copies run in order with the forwards
         super().__init__(*args, **kwargs)
         if self.head_dim != self.v_head_dim or self.head_dim % 2:
             raise ValueError(f"kv4rl needs equal, even K/V head dims, got {self.head_dim} and {self.v_head_dim}")

@@ -5,8 +5,7 @@ attention backend; ``--enable-kv-streams`` makes streaming sessions KV streams l
 radix tree (``stream_cache``). Both ride on SGLang settings that are switched on here, before
 ``ServerArgs.__post_init__`` (its fields are read-only afterwards), or refused with a message
 saying why. ``--enable-kv-streams`` switches on: page size 1, streaming sessions, the
-``kvstreams`` radix cache backend, no overlap scheduling (v1: a turn's token arrays are rewritten
-between turns), and the ``lpm`` schedule policy unless another than the default ``fcfs`` is given
+``kvstreams`` radix cache backend, and the ``lpm`` schedule policy unless another than the default ``fcfs`` is given
 (siblings with a cached prefix go first). It refuses: ``--disable-radix-cache``, another radix
 cache backend, the session radix cache, the hierarchical cache, LMCache / FlexKV, speculative
 decoding, DP attention, pipeline parallelism, and a page size other than 1 (the model kinds it
@@ -117,7 +116,6 @@ class KVStreamsServerArgs(ServerArgs):
                     raise ServerArgsError(f"--enable-kv-streams does not support {what}")
             self.enable_streaming_session = True  # SGLang's tokenizer refuses streaming sessions otherwise
             self.radix_cache_backend = STREAM_CACHE
-            self.disable_overlap_schedule = True  # v1: the session's token arrays are rewritten between turns
             if self.schedule_policy == "fcfs":
                 self.schedule_policy = "lpm"
         if self.kv4rl and not self.enable_kv_streams and not self.disable_radix_cache:
@@ -159,8 +157,9 @@ class KVStreamsServerArgs(ServerArgs):
                                 "branch) with in-place span eviction (POST /kvstreams/open, /kvstreams/evict)")
         group.add_argument("--kv-streams-turn-batch-ratio", type=float, default=0.0,
                            help="hold a prefill back (decode instead) while fewer than RATIO x running requests "
-                                "wait, so that agent turns share prefill steps (0: off; e.g. 0.25). SGLang's "
-                                "--enable-prefill-delayer needs overlap scheduling, which kv streams turn off")
+                                "wait, so that agent turns share prefill steps (0: off; e.g. 0.25). The rule of "
+                                "SGLang's --enable-prefill-delayer --prefill-delayer-queue-min-ratio, which needs "
+                                "overlap scheduling; this one runs with --disable-overlap-schedule too")
         group.add_argument("--kv-streams-turn-batch-max-delay-ms", type=float, default=30.0,
                            help="turn batching: the longest a prefill is held back")
 

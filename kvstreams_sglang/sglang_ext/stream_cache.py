@@ -17,18 +17,22 @@ stream computed) is aborted with ``STREAM_EVICTED``: re-prefilling the kept toke
 KV computed under another mask behind them; the client restores the stream exactly from its
 ledger (``client``) and sends the turn again.
 
-Every token is committed: with overlap scheduling off the tree holds all but the last sampled token
-when a turn finishes; the session's arrays end with it, so the next turn's extend computes it first,
-at its logical position. Positions: ``logical = compacted index + offset`` for everything computed
-after the last eviction (``offset`` = tokens evicted so far); ``patches`` adds ``req.kvstreams_offset``
-to ``ForwardBatch.positions``.
+Every token is committed: when a turn finishes the tree holds all but its last sampled token; the
+session's arrays end with it, so the next turn's extend computes it first, at its logical position,
+after the eviction that turn carries (the client's ledger books it so: the trainer's mask then agrees).
+Under overlap scheduling SGLang has often run one more decode step of a finished request (it schedules
+one batch ahead), which computed that token's KV before the eviction: ``cache_finished_req`` frees it
+(``committed_len``), so both schedulers leave the same stream. Positions: ``logical = compacted index +
+offset`` for everything computed after the last eviction (``offset`` = tokens evicted so far);
+``patches`` adds ``req.kvstreams_offset`` to ``ForwardBatch.positions``.
 
 kv4rl (``KV4TokenToKVPool``): the pool keeps the INT8 copies of a sequence's sink and recent
 positions in the side row of the request row it runs in, and a stream takes a new row every turn;
 ``side_rows.SideRows`` keeps an idle stream's side row and puts it back under its next row. GRPO
 siblings share their prompt's compute when a first turn's input is exactly its shared prefix: once
-such a turn is prefilled (before any decode step: overlap scheduling is off), its side row, which
-holds the prompt's INT8 copies as of the prompt's end, is kept as the prompt's snapshot while any
+such a turn is prefilled, its side row, which holds the prompt's INT8 copies as of the prompt's end
+(under overlap scheduling, also a first decode step's copy at position ``p``, which nothing reads: a
+turn writes a position's copy before it attends to it), is kept as the prompt's snapshot while any
 stream of that prompt is open; a sibling's first turn then matches the prompt in the tree and starts
 from the snapshot. A first turn longer than its shared prefix (e.g. a chat header after the first
 message) computes the prompt in its own row: no row ever held the INT8 copies of the prompt's last
@@ -54,6 +58,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from trainer_masks import EvictionError, check_spans
 
 from . import STREAM_EVICTED
+from .host_copy import host_to_device
 from .sessions import replace_session_tokens, session_tokens
 
 BACKEND_NAME = "kvstreams"  # --radix-cache-backend
@@ -103,6 +108,8 @@ class KVStreamRadixCache(RadixCache):
         # kv4rl: (namespace, prompt) -> the side row right after that prompt's prefill, and the open streams of it
         self.prompt_sides: dict[tuple, dict] = {}
         self.prompt_streams: dict[tuple, int] = {}
+        # a shared prefix not in the tree yet -> the first turn computing it (patches' sibling deferral)
+        self.prompts_in_flight: dict[tuple, object] = {}
         self.counters = dict(prefix_hit_tokens=0, branches_evicted=0, turns_aborted_evicted=0)
         super().__init__(params)
 
@@ -148,6 +155,8 @@ class KVStreamRadixCache(RadixCache):
         if state is None:
             return
         self._forget_prompt(state)
+        if self.prompts_in_flight.get(self._prompt_key(state)) is not None:
+            self.prompts_in_flight = {k: r for k, r in self.prompts_in_flight.items() if r.rid != state.turn_rid}
         del self._by_tag[state.tag]
         branch = self._find_branch(state)
         if branch is not None and not _any_locked(branch):  # (locked: a turn still runs; the cache evicts it later)
@@ -202,6 +211,7 @@ class KVStreamRadixCache(RadixCache):
         req.last_node = node
         if not chunked:
             self._snapshot_prompt(state, req)
+            self._prefill_cached(state, req)
 
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         state = self.stream_of(req)
@@ -216,14 +226,15 @@ class KVStreamRadixCache(RadixCache):
             self._prune(state, session_tokens(session))
             session.abort_req()
             return
-        token_ids = (req.origin_input_ids + req.output_ids)[:kv_len_to_handle]
-        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : len(token_ids)]
+        n = min(kv_len_to_handle, committed_len(req))
+        token_ids = (req.origin_input_ids + req.output_ids)[:n]
+        row = self.req_to_token_pool.req_to_token[req.req_pool_idx, : kv_len_to_handle]
         key = state.key(token_ids)
-        result = self.insert(InsertParams(key=key, value=row.to(torch.int64, copy=True),
+        result = self.insert(InsertParams(key=key, value=row[:n].to(torch.int64, copy=True),
                                           priority=getattr(req, "priority", 0) or 0))
         self._split_at_prefix(state, key)
-        self.token_to_kv_pool_allocator.free_segment(row[req.cache_protected_len: result.prefix_len],
-                                                     start_pos=req.cache_protected_len)
+        self.token_to_kv_pool_allocator.free_segments([(row[req.cache_protected_len: result.prefix_len],
+                                                        req.cache_protected_len), (row[n:], n)])
         if req.last_node is not None:
             self.dec_lock_ref(req.last_node)
         self._snapshot_prompt(state, req)
@@ -231,6 +242,7 @@ class KVStreamRadixCache(RadixCache):
             state.prefix_hit_tokens = int(req.cached_tokens)
             self.counters["prefix_hit_tokens"] += state.prefix_hit_tokens
         state.live.extend(range(state.computed + state.offset, len(token_ids) + state.offset))
+        self._prefill_cached(state, req)
         self._save_side(state, req)
         session.finish_req(req)
 
@@ -315,6 +327,24 @@ class KVStreamRadixCache(RadixCache):
         if len(req.prefix_indices) >= min(state.shared_prefix_len, len(req.full_untruncated_fill_ids) - 1):
             return None
         return self._prompt_key(state)
+
+    def prompt_in_flight(self, prompt: tuple, req) -> bool:
+        """Whether another first turn is computing the shared prefix ``prompt`` (``unshared_prompt``): it was
+        scheduled and its prefill is not cached yet (``_prefill_cached``). A sibling waits for it rather than
+        compute the prefix again."""
+        other = self.prompts_in_flight.get(prompt)
+        if other is None or other is req:
+            return False
+        if other.finished() or other.session is None:  # aborted or dropped before its prefill was cached
+            del self.prompts_in_flight[prompt]
+            return False
+        return True
+
+    def _prefill_cached(self, state: StreamState, req) -> None:
+        """``req``'s prefill is in the tree: its siblings may match its shared prefix."""
+        key = self._prompt_key(state)
+        if self.prompts_in_flight.get(key) is req:
+            del self.prompts_in_flight[key]
 
     # ---- kv4rl side rows ----
     def load_side_rows(self, reqs) -> None:
@@ -472,20 +502,20 @@ class KVStreamRadixCache(RadixCache):
         p = state.shared_prefix_len
         first, parent = chain[0], chain[0].parent
         values = torch.cat([node.value for node in chain])
-        drop = torch.tensor([i - p for i in dropped], dtype=torch.int64, device=values.device)
-        keep = torch.ones(len(values), dtype=torch.bool, device=values.device)
-        keep[drop] = False
+        drop = [i - p for i in dropped]  # indices into values, laid out on the host: no host sync below
+        gone = set(drop)
+        keep = [i for i in range(len(values)) if i not in gone]
         for node in chain:
             self._record_remove_event(node)
             self.evictable_leaves.discard(node)
-        self.token_to_kv_pool_allocator.free(values[drop])
+        self.token_to_kv_pool_allocator.free(values[host_to_device(drop, torch.int64, values.device)])
         self.evictable_size_ -= len(dropped)
-        if not keep.any():
+        if not keep:
             del parent.children[self._branch_key(state)]
             self._update_leaf_status(parent)
             return
         first.key = state.key(kept)[p:]
-        first.value = values[keep].clone()
+        first.value = values[host_to_device(keep, torch.int64, values.device)]
         first.children = {}
         first.hash_value = None
         self._update_leaf_status(first)
@@ -513,6 +543,12 @@ class KVStreamRadixCache(RadixCache):
         self._delete_leaf(node)
         self._record_remove_event(node)
         return freed
+
+
+def committed_len(req) -> int:
+    """The tokens of a finished turn its stream keeps computed: its input and every sampled token but the last
+    (a prefill-only turn's sampled token is not one of the stream's)."""
+    return len(req.origin_input_ids) + max(len(req.output_ids[: req.sampling_params.max_new_tokens]) - 1, 0)
 
 
 def _keep_every_token(req, tokenizer) -> None:
