@@ -35,11 +35,11 @@ def build_kv4_case(lengths, hq, hkv, d, sink, recent, device, seed=0):
     """A KV4 cache holding one request per entry of ``lengths`` at shuffled page-size-1 slots, and the CSR lists
     of both regions (``kv_indptr``, ``kv_indices``, ``side_indptr``, ``side_indices``)."""
     from kvstreams_sglang.kernels import kv4_store
-    from kvstreams_sglang.kv4 import KV4LayerCache, side_slot, split_regions
+    from kvstreams_sglang.kv4 import KV4LayerCache, side_slot, side_width, split_regions
 
     g = torch.Generator(device=device).manual_seed(seed)
     batch, total = len(lengths), sum(lengths)
-    cache = KV4LayerCache.empty(total, batch * (sink + recent), hkv, d, device=device)
+    cache = KV4LayerCache.empty(total, batch * side_width(sink, recent), hkv, d, device=device)
     perm = torch.randperm(total, device=device, generator=g)
     kv_idx, side_idx, n4s, n8s, offset = [], [], [0], [0], 0
     for b, length in enumerate(lengths):

@@ -30,15 +30,16 @@ from .replay import EpisodeSpec, Gate, Replay, run_replay
 
 def kv_bytes(kind: str, num_layers: int, num_kv_heads: int, head_dim: int, *, dtype=torch.bfloat16,
              sink: int = 16, recent: int = 128) -> dict:
-    """Bytes of a pool per token slot and per stream: ``kv4rl`` (the INT8 side cache's ``sink + recent`` rows
-    per stream, allocated up front by ``KV4Pool``), else K and V in ``dtype`` (bf16, fp8, ...)."""
+    """Bytes of a pool per token slot and per stream: ``kv4rl`` (the INT8 side cache's ``side_width(sink, recent)``
+    slots per stream, allocated up front by ``KV4Pool``), else K and V in ``dtype`` (bf16, fp8, ...)."""
+    from kvstreams_sglang.kv4 import side_width
     from kvstreams_sglang.streams import FullPrecisionPool, KV4Pool
 
     if kind != "kv4rl":
         return dict(per_token=FullPrecisionPool.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype),
                     per_stream=0)
     return dict(per_token=KV4Pool.bytes_per_token(num_layers, num_kv_heads, head_dim),
-                per_stream=(sink + recent) * KV4Pool.side_bytes_per_token(num_layers, num_kv_heads, head_dim))
+                per_stream=side_width(sink, recent) * KV4Pool.side_bytes_per_token(num_layers, num_kv_heads, head_dim))
 
 
 def size_pool(budget: int, bytes_: dict, max_batch: int, mean_peak: float) -> tuple[int, int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvstreams_sglang.kv4 import KV4LayerCache, side_slot, split_regions
+from kvstreams_sglang.kv4 import KV4LayerCache, side_slot, side_width, split_regions
 from kvstreams_sglang.kv4.reference import store_reference
 
 
@@ -19,7 +19,7 @@ def filled_cache(lengths, *, hkv=2, d=128, sink=16, recent=128, seed=0, shuffle=
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     perm = torch.randperm(total + 7, generator=g)[:total] if shuffle else torch.arange(total)
-    cache = KV4LayerCache.empty(total + 7, len(lengths) * (sink + recent), hkv, d)
+    cache = KV4LayerCache.empty(total + 7, len(lengths) * side_width(sink, recent), hkv, d)
     kv_ptr, side_ptr, kv_idx, side_idx, raw = [0], [0], [], [], []
     start = 0
     for row, length in enumerate(lengths):

@@ -116,7 +116,9 @@ class Copy:
     def cache_state(self) -> dict[str, torch.Tensor]:
         """Every byte a real request can read: INT4 entries of slots >= 1, INT8 side entries of rows >= 1,
         slot positions of slots >= 1."""
-        row = SINK + RECENT
+        from kvstreams_sglang.kv4 import side_width
+
+        row = side_width(SINK, RECENT)
         out = {"slot_positions": self.pool.slot_positions[1:]}
         for i, c in enumerate(self.pool.layers):
             for name in ("k_codes", "k_meta", "v_codes", "v_meta"):
@@ -126,7 +128,9 @@ class Copy:
         return out
 
     def row0_side_untouched(self) -> bool:
-        row = SINK + RECENT
+        from kvstreams_sglang.kv4 import side_width
+
+        row = side_width(SINK, RECENT)
         return all(bool((getattr(c, n)[:row] == 0).all()) for c in self.pool.layers
                    for n in ("k_side", "k_side_scale", "v_side", "v_side_scale"))
 

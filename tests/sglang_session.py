@@ -1,6 +1,7 @@
 """Run the real ``sglang.Engine`` (kv-streams, optionally kv4rl) on CPU and dump what the tests check.
 
-    python tests/sglang_session.py MODEL_DIR OUT.json [--kv4rl] [--disable-overlap-schedule]
+    python tests/sglang_session.py MODEL_DIR OUT.json [--kv4rl [--kv4rl-sink N --kv4rl-recent N]]
+        [--disable-overlap-schedule]
 
 Run as a subprocess (SGLang spawns its scheduler; a scheduler crash SIGQUITs its parent), with
 ``tests/sglang_cpu_shims`` on PYTHONPATH and ``SGLANG_USE_CPU_ENGINE=1``. One engine, a KV pool of
@@ -185,7 +186,7 @@ def pressure_scenario(eng, params, res: dict) -> None:
         streams.close(f)
 
 
-def main(model: str, out: str, kv4rl: bool, overlap: bool) -> None:
+def main(model: str, out: str, kv4rl: bool, overlap: bool, **kv4: int) -> None:
     from kvstreams_sglang.engine import SamplingParams
     from kvstreams_sglang.sglang_ext.client import EngineStreams
     from kvstreams_sglang.sglang_ext.engine import KVStreamsEngine
@@ -193,7 +194,7 @@ def main(model: str, out: str, kv4rl: bool, overlap: bool) -> None:
     eng = KVStreamsEngine(model_path=model, device="cpu", dtype="float32", kv4rl=kv4rl, enable_kv_streams=True,
                           attention_backend=None if kv4rl else "torch_native", sampling_backend="pytorch",
                           grammar_backend="none", max_total_tokens=POOL_TOKENS, skip_server_warmup=True,
-                          disable_overlap_schedule=not overlap, log_level="error")
+                          disable_overlap_schedule=not overlap, log_level="error", **kv4)
     # seconds: per scenario, for the suite's budget
     res: dict = {"pool_start": eng.pool_info(), "seconds": {},
                  "overlap_schedule": not eng.server_args.disable_overlap_schedule}
@@ -215,4 +216,7 @@ def main(model: str, out: str, kv4rl: bool, overlap: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], "--kv4rl" in sys.argv[3:], "--disable-overlap-schedule" not in sys.argv[3:])
+    flags = sys.argv[3:]
+    kv4 = {f.removeprefix("--").replace("-", "_"): int(flags[i + 1]) for i, f in enumerate(flags)
+           if f in ("--kv4rl-sink", "--kv4rl-recent")}
+    main(sys.argv[1], sys.argv[2], "--kv4rl" in flags, "--disable-overlap-schedule" not in flags, **kv4)

@@ -97,9 +97,9 @@ def test_sglang_logprobs_equal_trainer_replay(run, hf_model, request):
     assert float(diff.max()) <= 1e-4
 
 
-def builtin_kv4_turns(model: Path) -> list[tuple[list[int], list[float]]]:
-    """The same session on our built-in engine with kv4rl KV."""
-    eng = Engine(str(model), kv_dtype="kv4rl", kv_slots=2048, max_streams=4, dtype=torch.float32)
+def builtin_kv4_turns(model: Path, **kv4: int) -> list[tuple[list[int], list[float]]]:
+    """The same session on our built-in engine with kv4rl KV (``kv4``: its sink / recent)."""
+    eng = Engine(str(model), kv_dtype="kv4rl", kv_slots=2048, max_streams=4, dtype=torch.float32, **kv4)
     sid = eng.open_stream(script.PROMPT)
     out = []
     for t, obs in enumerate([None, *script.OBS[:3]]):
@@ -126,6 +126,20 @@ def test_kv4rl_logprobs_equal_builtin_engine(kv4_run, tiny_model_path, hf_model)
           f"mean {gap.mean():.2e} max {gap.max():.2e}")
     assert kv4_run["pool_start"]["pool"] == "KV4TokenToKVPool"
     assert float(diff.max()) <= 1e-4
+
+
+def test_kv4rl_ring_under_overlap_scheduling_equals_builtin_engine(tiny_model_path, tmp_path):
+    """A recent window of 8 positions, so the session's rows wrap the INT8 ring many times. Under overlap
+    scheduling a finished turn runs one more decode step, whose token the stream drops and the next turn
+    recomputes: that step's INT8 copy must not overwrite the position the recomputing extend still reads
+    (the ring's spare slot, ``kv4.cache``). Without it these logprobs differed by up to 9e-3."""
+    run = run_session(tiny_model_path, tmp_path / "kv4_small_ring.json", "--kv4rl", "--kv4rl-sink", "4",
+                      "--kv4rl-recent", "8")
+    assert run["overlap_schedule"]
+    builtin = builtin_kv4_turns(tiny_model_path, sink=4, recent=8)
+    assert [t["tokens"] for t in run["turns"]] == [toks for toks, _ in builtin]
+    ours = torch.tensor([lp for _, lps in builtin for lp in lps], dtype=torch.float64)
+    assert float((model_logprobs(run) - ours).abs().max()) <= 1e-4
 
 
 @pytest.mark.parametrize("run", ["bf16_run", "kv4_run", "bf16_run_no_overlap"])
@@ -254,8 +268,8 @@ def test_kv4rl_capacity_sizing(kv4_run, bf16_run, tiny_model_path):
     ratio = bf16_cell / info["cell_bytes"]
     print(f"token capacity per byte: kv4rl / bf16 = {ratio:.3f}")
     assert 3.6 <= ratio <= 3.8
-    # one INT8 row per req_to_token row: the requests' and SGLang's reserved row 0
-    side = (info["max_running_requests"] + 1) * (16 + 128) * 2 * layers * heads * (d + 2)
+    # one INT8 row per req_to_token row (the requests' and SGLang's reserved row 0): 16 sinks + a ring of 128 + 1
+    side = (info["max_running_requests"] + 1) * (16 + 128 + 1) * 2 * layers * heads * (d + 2)
     assert info["kv_bytes"] == info["cell_bytes"] * (info["total_tokens"] + 1) + side
     assert bf16_run["pool_start"]["cell_bytes"] == bf16_cell * 2  # fp32 KV in the parity run: 4 bytes/element
 

@@ -19,11 +19,15 @@ INT8 side cache (only protected positions: the first ``sink`` and most recent
     k_side, v_side              [num_side_slots, Hkv, D]  int8
     k_side_scale, v_side_scale  [num_side_slots, Hkv]     fp16
 
-Side slots are addressed per sequence row: row ``r`` owns ``sink + recent`` consecutive
-side slots; position ``p < sink`` lives at ``r*(sink+recent) + p`` and a recent position
-at ``r*(sink+recent) + sink + p % recent`` (a ring). A position that slides out of the
-recent window is simply no longer listed for the INT8 region; its ring slot is reused by
-a newer token and its INT4 entry, written when it was cached, is used instead.
+Side slots are addressed per sequence row: row ``r`` owns ``w = side_width(sink, recent) = sink +
+recent + 1`` consecutive side slots; position ``p < sink`` lives at ``r*w + p`` and a recent
+position at ``r*w + sink + p % (recent + 1)`` (a ring with one spare slot). A position that slides
+out of the recent window is simply no longer listed for the INT8 region; its ring slot is reused by
+a newer token and its INT4 entry, written when it was cached, is used instead. The spare slot: a
+token written at ``p`` overwrites ``p - recent - 1``, never ``p - recent``, which a later step that
+computes ``p`` again still reads from INT8. That happens under SGLang's overlap scheduler, which
+runs one more decode step of a finished turn; the stream drops that step's token and its next
+turn recomputes it (``sglang_ext.stream_cache``).
 """
 
 from __future__ import annotations
@@ -97,9 +101,19 @@ def int8_bytes_per_vector(head_dim: int) -> int:
     return head_dim + 2
 
 
+def ring_size(recent: int) -> int:
+    """Side slots of the recent window's ring: ``recent`` and a spare (module docstring); 0 without a window."""
+    return recent + 1 if recent else 0
+
+
+def side_width(sink: int, recent: int) -> int:
+    """Side slots per sequence row: the sinks' and the ring's."""
+    return sink + ring_size(recent)
+
+
 def side_slot(row: int, position: int, *, sink: int, recent: int) -> int:
     """INT8 side slot of a protected logical ``position`` of sequence ``row`` (-1: none)."""
-    base = row * (sink + recent)
+    base = row * side_width(sink, recent)
     if position < sink:
         return base + position
-    return base + sink + position % recent if recent else -1
+    return base + sink + position % ring_size(recent) if recent else -1

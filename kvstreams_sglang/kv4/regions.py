@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from .cache import ring_size, side_width
+
 
 def protected_mask(positions: torch.Tensor, end, *, sink: int, recent: int) -> torch.Tensor:
     """Boolean mask over ``positions`` (kept logical positions): True = INT8 region. ``end``: the
@@ -30,8 +32,8 @@ def split_regions(length: int, *, sink: int, recent: int) -> tuple[torch.Tensor,
 def side_slots_of(rows: torch.Tensor, positions: torch.Tensor, *, sink: int, recent: int) -> torch.Tensor:
     """Vector form of ``cache.side_slot``: INT8 side slot of ``positions`` in sequence ``rows``
     (broadcast), -1 where a position has none (``recent == 0`` and not a sink)."""
-    ring = sink + positions % recent if recent else torch.full_like(positions, -1)
-    slot = rows * (sink + recent) + torch.where(positions < sink, positions, ring)
+    ring = sink + positions % ring_size(recent) if recent else torch.full_like(positions, -1)
+    slot = rows * side_width(sink, recent) + torch.where(positions < sink, positions, ring)
     return torch.where((positions < sink) | (recent > 0), slot, -1)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from ..kv4.cache import KV4LayerCache
+from ..kv4.cache import KV4LayerCache, side_width
 from ..streams.pool import KV4Pool, kv4_layers
 
 
@@ -29,7 +29,7 @@ class KV4TokenToKVPool(MHATokenToKVPool):
     def _create_buffers(self):
         # slot 0 stays the padding slot SGLang writes dummy tokens to, as in the parent
         slots = self.size + self.page_size
-        side = max(1, self.num_rows * (self.sink + self.recent))  # a side row per req_to_token row, row 0 included
+        side = max(1, self.num_rows * side_width(self.sink, self.recent))  # a side row per req_to_token row, row 0 too
         self.layers, self.side = kv4_layers(self.layer_num, slots, side, self.head_num, self.head_dim, self.device)
         self.slot_positions = torch.zeros(slots, dtype=torch.int32, device=self.device)
         # SGLang reads these for its copy kernels and disaggregation; the bf16 views do not exist
@@ -64,6 +64,8 @@ class KV4TokenToKVPool(MHATokenToKVPool):
     @staticmethod
     def side_bytes(num_rows: int, num_layers: int, num_kv_heads: int, head_dim: int, *, sink: int,
                    recent: int) -> int:
-        """The INT8 side cache: ``sink + recent`` positions per request row. SGLang's ``ReqToTokenPool`` of size
-        ``num_rows`` hands out rows ``1..num_rows`` (row 0 is its padding row), so row indices reach ``num_rows``."""
-        return (num_rows + 1) * (sink + recent) * KV4Pool.side_bytes_per_token(num_layers, num_kv_heads, head_dim)
+        """The INT8 side cache: ``side_width(sink, recent)`` slots per request row. SGLang's ``ReqToTokenPool`` of
+        size ``num_rows`` hands out rows ``1..num_rows`` (row 0 is its padding row), so row indices reach
+        ``num_rows``."""
+        return ((num_rows + 1) * side_width(sink, recent)
+                * KV4Pool.side_bytes_per_token(num_layers, num_kv_heads, head_dim))

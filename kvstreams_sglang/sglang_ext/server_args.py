@@ -95,7 +95,7 @@ class KVStreamsServerArgs(ServerArgs):
                     raise ServerArgsError(f"--kv4rl does not support {flag}: {why}")
             self.attention_backend = BACKEND_NAME
             if self.max_running_requests is None:
-                self.max_running_requests = 256  # sizes the INT8 side cache (sink + recent slots per request)
+                self.max_running_requests = 256  # sizes the INT8 side cache (kv4.cache.side_width slots per request)
         if self.kv4rl or self.enable_kv_streams:
             if self.page_size not in (None, 1):
                 raise ServerArgsError(f"kv-streams and kv4rl evict and store single tokens: --page-size must be 1, "

@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 
+from ..kv4.cache import side_width
+
 
 class SideRows:
     """Side rows are saved as one tensor per field across layers (``streams.pool.kv4_layers``): a load or
@@ -25,7 +27,7 @@ class SideRows:
 
     def __init__(self, pool):
         self.pool = pool
-        self.width = pool.sink + pool.recent  # side slots per row
+        self.width = side_width(pool.sink, pool.recent)  # side slots per row
         stream = getattr(pool, "forward_stream", None)
         on_cuda = isinstance(stream, torch.cuda.Stream)  # (off CUDA every copy is in order already)
         self._on_forward_stream = (lambda: torch.cuda.stream(stream)) if on_cuda else contextlib.nullcontext

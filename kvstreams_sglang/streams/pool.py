@@ -6,19 +6,19 @@ out, and a pool here only stores bytes per layer. Two storages:
 - ``FullPrecisionPool``: ``k, v [num_slots, Hkv, D]`` per layer in the model's dtype
   (``kv_dtype="bf16"``: bf16 on GPU; fp32 tests keep fp32).
 - ``KV4Pool``: one ``KV4LayerCache`` per layer (INT4 slots + INT8 side cache with
-  ``sink + recent`` side slots per stream row).
+  ``side_width(sink, recent)`` side slots per stream row).
 
 INT8 side cache rule under eviction (see ``kv4.regions``): a kept position ``p`` of a
 stream whose computed end is ``end`` is attended through INT8 iff ``p < sink`` or
 ``p >= end - recent``, otherwise through INT4. A token writes its INT8 copy when it is
-computed (sinks to their fixed side slot, others to ring slot ``p % recent``); eviction
+computed (sinks to their fixed side slot, others to ring slot ``p % (recent + 1)``); eviction
 only removes positions from the index lists, so every kept position is in exactly one
 region and nothing is ever rewritten.
 
 A step writes only into its new tokens' slots, which were free, with one exception: a new
-recent token's ring slot still holds the INT8 copy of the position ``recent`` before it, which
-the step moves to the INT4 region. The side caches of all layers therefore live in one tensor
-per field, so that a step saves what it will overwrite with one gather each
+recent token's ring slot still holds the INT8 copy of the position ``recent + 1`` before it
+(``kv4.cache``: the ring's spare slot), in the INT4 region already. The side caches of all layers
+live in one tensor per field, so that a step saves what it will overwrite with one gather each
 (``KV4Pool.save_side``) and a failed step puts it back (``restore_side``).
 """
 
@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from ..kv4.cache import KV4LayerCache, int4_bytes_per_vector, int8_bytes_per_vector, side_slot
+from ..kv4.cache import KV4LayerCache, int4_bytes_per_vector, int8_bytes_per_vector, side_slot, side_width
 
 
 class FullPrecisionPool:
@@ -82,7 +82,7 @@ class KV4Pool:
         if sink < 0 or recent < 0:
             raise ValueError(f"sink and recent must be >= 0, got {sink}, {recent}")
         self.sink, self.recent = sink, recent
-        self.layers, self.side = kv4_layers(num_layers, num_slots, max(1, max_streams * (sink + recent)),
+        self.layers, self.side = kv4_layers(num_layers, num_slots, max(1, max_streams * side_width(sink, recent)),
                                             num_kv_heads, head_dim, device)
 
     @property
