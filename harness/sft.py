@@ -230,7 +230,7 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
     checkpoint ``out/model``. The expert command loss is measured on ``sft.probe_episodes`` expert episodes
     of the eval split before and after.
 
-    ``compactions``: render the episodes under each of these instead, in equal shares (the same games), for one
+    ``compactions``: render ``sft.episodes`` (and the probe's) under each of these instead (the same games), for one
     checkpoint that several runs start from: a model that only ever saw KV-streams contexts (kept turns computed
     while the dropped ones were visible) need not act on re-prefilled ones, and the other way round."""
     from rich.console import Console

@@ -155,8 +155,10 @@ class KVStreamRadixCache(RadixCache):
         if state is None:
             return
         self._forget_prompt(state)
-        if self.prompts_in_flight.get(self._prompt_key(state)) is not None:
-            self.prompts_in_flight = {k: r for k, r in self.prompts_in_flight.items() if r.rid != state.turn_rid}
+        key = self._prompt_key(state)
+        other = self.prompts_in_flight.get(key)
+        if other is not None and other.rid == state.turn_rid:  # its first turn, cut short
+            del self.prompts_in_flight[key]
         del self._by_tag[state.tag]
         branch = self._find_branch(state)
         if branch is not None and not _any_locked(branch):  # (locked: a turn still runs; the cache evicts it later)
