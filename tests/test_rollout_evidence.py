@@ -103,7 +103,8 @@ def test_kv_bytes_are_the_pools_bytes():
 
     b = kv_bytes("kv4rl", 36, 8, 128, sink=16, recent=128)
     assert b["per_token"] == KV4Pool.bytes_per_token(36, 8, 128)
-    assert b["per_stream"] == 144 * 2 * 36 * 8 * (128 + 2)  # INT8 codes + fp16 scale, K and V, per side slot
+    # INT8 codes + fp16 scale, K and V, per side slot: 16 sinks + a ring of 128 + 1 (kv4.cache's spare slot)
+    assert b["per_stream"] == 145 * 2 * 36 * 8 * (128 + 2)
     assert kv_bytes("bf16", 36, 8, 128)["per_token"] == FullPrecisionPool.bytes_per_token(36, 8, 128, torch.bfloat16)
     tokens, streams = size_pool(2**30, kv_bytes("bf16", 36, 8, 128), 64, 2000)
     assert streams == 64 and tokens == 2**30 // (2 * 36 * 8 * 128 * 2)
