@@ -6,7 +6,8 @@ context vs ours evicting it in place (KV-streams), in bf16 / fp8 / KV4-RL KV.
     python -m bench.rollout_sglang merge $OUT/a.json $OUT/b.json --out bench/results/rollout_sglang_h200.json
     bash bench/device/rollout_check.sh [quick|stock|ours|concentration]  # the H200 commands (bundle, checkpoint)
 
-Recorded TextWorld episodes (``bench/data/textworld_turns.json``, texts scaled by ``--length-scale``) are replayed
+Recorded TextWorld episodes (``bench/data/textworld_turns.json``, texts scaled by ``--length-scale``; ``--games long``:
+longer games of 30-60 recorded turns, the long-horizon regime KV-streams is for) are replayed
 through the real agent loop (``bench.replay``: ``envs.rollout.agent_loop.run_episode`` with the real compaction
 strategies; each episode is its own loop, an observation of its recorded length after every action, every
 message bounded to its recorded length) against one server per configuration, started in turn (``SETUPS``):
@@ -565,6 +566,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "the recorded counts, whose longer messages stand in for a model that writes more than a\n"
                         "bare command; with 0.3 a turn is ~6 sampled tokens and the client's per-turn work dominates")
     g.add_argument("--max-turns", type=int, default=None)
+    g.add_argument("--games", choices=("recorded", "long"), default="recorded",
+                   help="recorded: the recorded episodes (TextWorld games, 12 turns on average);\n"
+                        "long: longer games (the KV-streams paper's regime), a recorded first message and\n"
+                        "--long-turns MIN,MAX recorded turns (long-tailed: bench.replay.long_tailed_episodes)")
+    g.add_argument("--long-turns", default="30,60", help="--games long: fewest and most turns of a game")
     g.add_argument("--episodes", type=int, default=1500, help="episodes in each strategy's list (the same list for "
                                                               "every server); a run stops when it runs out")
     g.add_argument("--window", type=int, default=4, help="Sliding Window: live turns that trigger an eviction")
@@ -644,7 +650,7 @@ def merge(parts: list[Path], out: Path) -> dict:
     (settings.episodes, seed, template), or the comparison would not be of the same work."""
     results = [json.loads(p.read_text()) for p in parts]
     first = results[0]
-    key = ("episodes", "seed", "template", "window", "markovian_turns", "length_scale", "mem_fraction_static",
+    key = ("episodes", "games", "seed", "template", "window", "markovian_turns", "length_scale", "mem_fraction_static",
            "prefill_graph")
     for p, r in zip(parts[1:], results[1:], strict=True):
         diff = [k for k in key if r["settings"].get(k) != first["settings"].get(k)]
@@ -687,8 +693,13 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
     renderer = renderer_for(a.model)
     template = Template.of(renderer)
     pool = load_episode_pool(a.data)
-    specs = sample_episodes(pool, a.episodes, a.seed, length_scale=a.length_scale, max_turns=a.max_turns,
-                            template=template)
+    if a.games == "long":
+        lo, hi = (int(x) for x in a.long_turns.split(","))
+        specs = long_tailed_episodes(pool, a.episodes, a.seed, min_turns=lo, max_turns=hi,
+                                     length_scale=a.length_scale, template=template)
+    else:
+        specs = sample_episodes(pool, a.episodes, a.seed, length_scale=a.length_scale, max_turns=a.max_turns,
+                                template=template)
     setups = [SETUPS[c] for c in a.configs]
     plan = [(s, st) for s in setups for st in (s.strategies or a.strategies)]
     strategies = list(dict.fromkeys(st for _, st in plan))
@@ -703,7 +714,8 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
         max_total_tokens=a.max_total_tokens if a.device == "cpu" else None,
         max_running_requests=a.max_running_requests, prefill_graph=a.prefill_graph,
         turn_batching=a.turn_batching, turn_batch_max_delay_ms=a.turn_batch_max_delay_ms,
-        length_scale=a.length_scale, window=a.window, markovian_turns=a.markovian_turns,
+        games=a.games if a.games == "recorded" else f"long {a.long_turns} turns", length_scale=a.length_scale,
+        window=a.window, markovian_turns=a.markovian_turns,
         summary_turns=a.summary_turns, summary_tokens=a.summary_tokens,
         warmup_s=a.warmup, duration_s=a.duration, budget_s=a.budget_s, seed=a.seed, template=dataclasses.asdict(
             template), episodes=dict(count=len(specs), turns=length_stats([len(e.turns) for e in specs]),

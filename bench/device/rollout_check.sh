@@ -6,6 +6,8 @@
 #   bash bench/device/rollout_check.sh concentration  # waves vs refill, long-tailed episodes, one server
 # CONFIGS=a,b and STRATEGIES=x,y override a mode's lists; PREFILL_GRAPH=disabled runs every server's prefill eagerly;
 # TURN_BATCHING=0.25 (TURN_BATCH_MS=30) holds prefills back on every server (bench.rollout_sglang --turn-batching).
+# GAMES=long (LONG_TURNS=30,60): longer games than the recorded ones; KVSTREAMS_SYNC_REPORT=1: our servers log every
+# call stack that makes the scheduler wait for the GPU (kvstreams_sglang/sglang_ext/sync_report.py; in server_logs).
 # then, here: python -m bench.rollout_sglang merge stock.json ours.json --out bench/results/rollout_sglang_h200.json
 # (the same episode list and seed in both calls; the merge refuses parts run with other settings).
 # What the first run taught (2026-12-02, bench/results/rollout_sglang_h200.json):
@@ -30,7 +32,7 @@ MODEL=/tmp/qwen3-4b
 [ -f $MODEL/config.json ] || python3 -m kvstreams_sglang.checkpoints $MODEL --shape qwen3-4b --dtype bfloat16 \
   --device cuda > /dev/null || exit 1
 COMMON="--model $MODEL --warmup ${WARMUP:-15} --duration ${DURATION:-15} --min-duration ${DURATION:-15} --budget-s 5000
-  --prefill-graph ${PREFILL_GRAPH:-default} --turn-batching ${TURN_BATCHING:-0} --turn-batch-max-delay-ms ${TURN_BATCH_MS:-30}
+  --games ${GAMES:-recorded} --long-turns ${LONG_TURNS:-30,60} --prefill-graph ${PREFILL_GRAPH:-default} --turn-batching ${TURN_BATCHING:-0} --turn-batch-max-delay-ms ${TURN_BATCH_MS:-30}
   --profile-steps ${PROFILE:-0} --profile-configs ${PROFILE_CONFIGS:-stock_bf16,streams_kv4rl}"
 LIMIT=${ROLLOUT_TIMEOUT:-540}
 case $MODE in

@@ -229,7 +229,9 @@ def _install_rpc() -> None:
         return dict(session_id=session_id, shared_prefix_len=state.shared_prefix_len, extra_key=state.extra_key)
 
     def kvstreams_evict(self, session_id: str, spans):
-        return self.tree_cache.evict_spans(stream_session(self, session_id), spans)
+        session = stream_session(self, session_id)
+        evicted = self.tree_cache.evict_spans(session, spans)
+        return self.tree_cache.info(session) | dict(evicted=evicted)
 
     def kvstreams_session_info(self, session_id: str):
         return self.tree_cache.info(stream_session(self, session_id))

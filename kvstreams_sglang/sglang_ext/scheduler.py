@@ -12,6 +12,8 @@ def run_scheduler_process(server_args, *args, **kwargs):
     from sglang.srt.managers.scheduler import run_scheduler_process as run
 
     from .patches import install
+    from .sync_report import install_if_requested
 
     install(server_args)
+    install_if_requested()
     return run(server_args, *args, **kwargs)

@@ -273,12 +273,14 @@ class KVStreamRadixCache(RadixCache):
         return EvictResult(num_tokens_evicted=evicted)
 
     # ---- in-place span eviction (between turns) ----
-    def evict_spans(self, session, spans) -> dict:
+    def evict_spans(self, session, spans) -> int:
         """Evict ``spans`` (``[start, end)`` logical positions) of a stream in place: validated against the
         server's view with ``trainer_masks.check_spans``; spans inside the shared prefix are refused (its KV is
         shared: copy-on-write is future work). Frees exactly the dropped slots of the private branch and
         removes the tokens from the session's arrays. A stream whose branch the cache evicted is edited only
-        logically (its next turn is aborted for a restore). Returns ``info`` after, plus ``evicted``."""
+        logically (its next turn is aborted for a restore). Returns the number of tokens evicted. No device
+        sync: a turn's eviction runs in the scheduler step that admits it, while the previous batch runs on
+        the GPU (``info``, which copies the slots to the host, is for the RPC route)."""
         state = self._idle_stream(session)
         tokens = session_tokens(session)
         eviction = check_spans(spans, live=state.live, num_computed=state.computed + state.offset,
@@ -297,7 +299,7 @@ class KVStreamRadixCache(RadixCache):
         replace_session_tokens(session, kept)
         state.live = [pos for i, pos in enumerate(state.live) if i not in dropped]
         state.offset += len(dropped)
-        return self.info(session) | dict(evicted=len(dropped))
+        return len(dropped)
 
     def info(self, session) -> dict:
         """A stream as the server holds it: ``live_tokens`` (computed tokens), their ``slots`` and logical
