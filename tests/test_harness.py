@@ -337,11 +337,12 @@ def test_reward_rises_on_the_toy_corridor(tmp_path):
                          + sorted(f"{d}/{f}" for d in ("textworld", "alfworld", "swe")
                                   for f in os.listdir(os.path.join(ROOT, "configs", d))))
 def test_shipped_configs_validate(path):
-    if path == "demo_textworld.toml":  # the main job's config: the RL sections plus sft / evaluation
+    if path.startswith("demo_"):  # the demo's configs: the RL sections plus sft / evaluation
         from harness.demo import load_demo_config
 
         cfg = load_demo_config(os.path.join(ROOT, "configs", path))
         assert cfg.compaction.strategy == "sliding_window" and cfg.inference.kv_dtype == "kv4rl"
+        assert cfg.environment.name == path.removeprefix("demo_").removesuffix(".toml")
         return
     if path.endswith("gpu_small.toml"):  # bench.learning's: the RL sections plus sft / targets
         from bench.learning import LearningConfig
