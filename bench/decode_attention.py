@@ -428,7 +428,24 @@ def store_bench(n=262144, hkv=8, d=128, out=None, check=True):
     return rows
 
 
-def _extend_row(b, length, n, hq, hkv, d, device):
+EXTEND_TILES = ((64, 64), (64, 32), (64, 128), (128, 32), (128, 64))  # (block_r, block_n); the first ships
+
+
+def dequantized_prefix(cache, idx, i: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Request ``i``'s cached prefix as ``dtype`` K/V ``[L, Hkv, D]`` (keys in the rotated basis): its INT8
+    positions from the side cache, the others from INT4. The same set of keys the two-region attention reads, so
+    full-precision attention over it is the two-region merge up to the query's INT8 rounding (a design for the
+    extend: dequantise, then a BF16 prefill kernel)."""
+    from kvstreams_sglang.kv4 import dequantize_int4, dequantize_int8
+
+    s4 = idx["kv_indices"][idx["kv_indptr"][i]:idx["kv_indptr"][i + 1]].long()
+    s8 = idx["side_indices"][idx["side_indptr"][i]:idx["side_indptr"][i + 1]].long()
+    k = torch.cat((dequantize_int8(cache.int8_k(s8), dtype), dequantize_int4(cache.int4_k(s4), dtype)))
+    v = torch.cat((dequantize_int8(cache.int8_v(s8), dtype), dequantize_int4(cache.int4_v(s4), dtype)))
+    return k, v
+
+
+def _extend_row(b, length, n, hq, hkv, d, device, sweep: bool = False):
     import triton
 
     from kvstreams_sglang.kernels import kv4_extend
@@ -438,9 +455,9 @@ def _extend_row(b, length, n, hq, hkv, d, device):
     kn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
     vn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
     qo = torch.arange(b + 1, device=device, dtype=torch.int32) * n
-    def kv4(splits=None):
+    def kv4(splits=None, block_r=64, block_n=64):
         return kv4_extend(q, kn, vn, qo, cache, idx["kv_indptr"], idx["kv_indices"], idx["side_indptr"],
-                          idx["side_indices"], max_new_tokens=n, splits=splits)
+                          idx["side_indices"], max_new_tokens=n, splits=splits, block_r=block_r, block_n=block_n)
 
     ms = triton.testing.do_bench(kv4, warmup=25, rep=200, return_mode="median")
     one = triton.testing.do_bench(lambda: kv4(1), warmup=25, rep=200, return_mode="median")
@@ -448,10 +465,30 @@ def _extend_row(b, length, n, hq, hkv, d, device):
     row = dict(batch=b, prefix=length, new=n, kv4_extend_ms=ms, new_tokens_per_s=b * n / ms * 1e3,
                splits=extend_splits(triton.cdiv(n, 64 // (hq // hkv)) * b * hkv, b * n, hq, d, device),
                kv4_extend_unsplit_ms=one, split_speedup=one / ms)
+    if sweep:  # the kernel's tiles: rows of (tokens x query heads) and prefix keys per program
+        row["tiles_ms"] = {}
+        for br, bn in EXTEND_TILES:
+            try:
+                row["tiles_ms"][f"r{br}_n{bn}"] = triton.testing.do_bench(
+                    lambda br=br, bn=bn: kv4(block_r=br, block_n=bn), warmup=10, rep=100, return_mode="median")
+            except Exception as e:  # e.g. out of shared memory: recorded, the sweep goes on
+                row["tiles_ms"][f"r{br}_n{bn}"] = repr(e)[:160]
     try:
         import flashinfer
     except ImportError:
         return row
+    if sweep:  # the dequantise-then-BF16-prefill design, unfused (torch dequantisation): an upper bound of its cost
+        from kvstreams_sglang.kv4.hadamard import hadamard
+
+        def dequant_prefill():
+            for i in range(b):
+                k, v = dequantized_prefix(cache, idx, i)
+                rows = slice(i * n, (i + 1) * n)
+                flashinfer.single_prefill_with_kv_cache(hadamard(q[rows]), torch.cat((k, hadamard(kn[rows]))),
+                                                        torch.cat((v, vn[rows])), causal=True)
+
+        row["dequant_then_flashinfer_ms"] = triton.testing.do_bench(dequant_prefill, warmup=10, rep=100,
+                                                                    return_mode="median")
     kf = torch.randn(length + n, hkv, d, device=device, dtype=torch.bfloat16)
     vf = torch.randn(length + n, hkv, d, device=device, dtype=torch.bfloat16)
     qs = q.view(b, n, hq, d)
@@ -466,19 +503,20 @@ def _extend_row(b, length, n, hq, hkv, d, device):
 
 
 def extend_bench(shapes=((1, 8192, 1024), (4, 4096, 512), (8, 2048, 256), (1, 3072, 231), (2, 4096, 128),
-                         (1, 8192, 64), (4, 2048, 32)), hq=32, hkv=8, d=128, out=None):
+                         (1, 8192, 64), (4, 2048, 32)), hq=32, hkv=8, d=128, out=None, sweep: bool = False):
     """Extend/prefill: ``kv4_extend`` (B requests, each a prefix of L cached tokens in KV4 plus n new tokens
     attending causally; split-K as shipped and unsplit) vs FlashInfer's BF16 prefill on the same tokens held
     contiguous in BF16 (one ``single_prefill_with_kv_cache`` per request, causal aligned to the end), in one
     process."""
     rows = []
     for b, length, n in shapes:
-        rows.append(_extend_row(b, length, n, hq, hkv, d, torch.device("cuda")))
+        rows.append(_extend_row(b, length, n, hq, hkv, d, torch.device("cuda"), sweep=sweep))
         print("extend", rows[-1], flush=True)
     if out:
         with open(out, "w") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), rows=rows,
-                           command="python -m bench.decode_attention --extend"), f, indent=1)
+                           command="python -m bench.decode_attention --extend" + (" --extend-sweep" if sweep else "")),
+                      f, indent=1)
     return rows
 
 
@@ -529,6 +567,8 @@ def main():
     p.add_argument("--store", action="store_true", help="with --variants: also time the store kernel")
     p.add_argument("--store-only", action="store_true", help="time the store kernels (CUDA, Triton) and the copy")
     p.add_argument("--extend", action="store_true", help="time kv4_extend against FlashInfer's BF16 prefill")
+    p.add_argument("--extend-sweep", action="store_true", help="with --extend: the kernel's tiles (EXTEND_TILES) and "
+                   "the dequantise-then-FlashInfer design, per shape")
     p.add_argument("--alts", default=None, help="name:key=val,...;...: KV4 decode variants timed beside the shipped "
                    "kernel (parse_alts: triton=1, graph=1, Triton / CUDA variant fields, split counts)")
     p.add_argument("--graph", action="store_true", help="also the shipped kernel with a graph plan: launched eagerly "
@@ -543,7 +583,8 @@ def main():
         store_bench(out=a.out or os.path.join(os.environ.get("OUT", "bench/results"), "decode_store_h200.json"))
         return
     if a.extend:
-        extend_bench(out=a.out or os.path.join(os.environ.get("OUT", "bench/results"), "extend_h200.json"))
+        extend_bench(out=a.out or os.path.join(os.environ.get("OUT", "bench/results"), "extend_h200.json"),
+                     sweep=a.extend_sweep)
         return
     if a.overhead:
         host_overhead()

@@ -41,3 +41,34 @@ def test_extend_rejects_mismatched_new_kv():
     with pytest.raises(ValueError, match="do not fit"):
         kv4_extend(torch.randn(3, 4, 128), torch.randn(2, 2, 128), torch.randn(2, 2, 128),
                    torch.tensor([0, 3]), cache, **meta)
+
+
+def test_dequantised_prefix_holds_the_keys_the_two_regions_read(device):
+    """The extend bench's dequantise-then-BF16-prefill design (``bench.decode_attention.dequantized_prefix``):
+    full-precision attention over each request's dequantised prefix (INT8 positions from the side cache, the rest
+    from INT4) and its new tokens equals the two-region reference up to the reference's INT8 query rounding."""
+    from bench.decode_attention import dequantized_prefix
+    from kvstreams_sglang.kv4.hadamard import hadamard
+
+    prefix, new, hq, hkv, d = [200, 30], [9, 20], 8, 2, 128
+    cache, meta, _ = filled_cache(prefix, hkv=hkv, seed=5, device=device)
+    qo = [0, *torch.tensor(new).cumsum(0).tolist()]
+    q, k_new, v_new = (torch.randn(sum(new), h, d, device=device) for h in (hq, hkv, hkv))
+    ref = extend_reference(q, k_new, v_new, torch.tensor(qo, dtype=torch.int32, device=device), cache, **meta)
+    outs = []
+    for i, (length, m) in enumerate(zip(prefix, new, strict=True)):
+        k, v = dequantized_prefix(cache, meta, i, torch.float32)
+        assert k.shape == v.shape == (length, hkv, d)
+        rows = slice(qo[i], qo[i + 1])
+        keys = torch.cat((k, hadamard(k_new[rows]))).repeat_interleave(hq // hkv, 1)
+        values = torch.cat((v, v_new[rows])).repeat_interleave(hq // hkv, 1)
+        scores = torch.einsum("qhd,khd->hqk", hadamard(q[rows]), keys) * d ** -0.5
+        j, t = torch.arange(length + m, device=device), torch.arange(m, device=device)
+        scores = scores.masked_fill(~((j[None] < length) | (j[None] - length <= t[:, None])), float("-inf"))
+        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+    out = torch.cat(outs)
+    assert rel_l2(out, ref) <= 3e-2  # (0.9% here: the reference's INT8 queries)
+    no_side = {**meta, "side_indptr": torch.zeros_like(meta["side_indptr"])}
+    without_side = rel_l2(out, extend_reference(q, k_new, v_new, torch.tensor(qo, dtype=torch.int32, device=device),
+                                                cache, **no_side))
+    assert without_side > 0.5  # the comparison can tell a missing region (1.2 here)
