@@ -526,6 +526,17 @@ def plot(result: dict, path: Path) -> None:
 # ---- main ----
 
 
+def turn_range(text: str) -> tuple[int, int]:
+    """``--long-turns MIN,MAX``: 1 <= MIN <= MAX."""
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= MIN <= MAX, got {lo},{hi}")
+    return lo, hi
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.rollout_sglang", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -570,7 +581,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="recorded: the recorded episodes (TextWorld games, 12 turns on average);\n"
                         "long: longer games (the KV-streams paper's regime), a recorded first message and\n"
                         "--long-turns MIN,MAX recorded turns (long-tailed: bench.replay.long_tailed_episodes)")
-    g.add_argument("--long-turns", default="30,60", help="--games long: fewest and most turns of a game")
+    g.add_argument("--long-turns", type=turn_range, default=(30, 60), metavar="MIN,MAX",
+                   help="--games long: fewest and most turns of a game")
     g.add_argument("--episodes", type=int, default=1500, help="episodes in each strategy's list (the same list for "
                                                               "every server); a run stops when it runs out")
     g.add_argument("--window", type=int, default=4, help="Sliding Window: live turns that trigger an eviction")
@@ -694,7 +706,7 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
     template = Template.of(renderer)
     pool = load_episode_pool(a.data)
     if a.games == "long":
-        lo, hi = (int(x) for x in a.long_turns.split(","))
+        lo, hi = a.long_turns
         specs = long_tailed_episodes(pool, a.episodes, a.seed, min_turns=lo, max_turns=hi,
                                      length_scale=a.length_scale, template=template)
     else:
@@ -714,8 +726,8 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
         max_total_tokens=a.max_total_tokens if a.device == "cpu" else None,
         max_running_requests=a.max_running_requests, prefill_graph=a.prefill_graph,
         turn_batching=a.turn_batching, turn_batch_max_delay_ms=a.turn_batch_max_delay_ms,
-        games=a.games if a.games == "recorded" else f"long {a.long_turns} turns", length_scale=a.length_scale,
-        window=a.window, markovian_turns=a.markovian_turns,
+        games=a.games if a.games == "recorded" else "long {},{} turns".format(*a.long_turns),
+        length_scale=a.length_scale, window=a.window, markovian_turns=a.markovian_turns,
         summary_turns=a.summary_turns, summary_tokens=a.summary_tokens,
         warmup_s=a.warmup, duration_s=a.duration, budget_s=a.budget_s, seed=a.seed, template=dataclasses.asdict(
             template), episodes=dict(count=len(specs), turns=length_stats([len(e.turns) for e in specs]),

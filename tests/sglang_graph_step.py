@@ -31,8 +31,11 @@ from types import SimpleNamespace
 
 import torch
 
+from kvstreams_sglang.kv4 import side_width
+
 HQ, HKV, D, LAYERS = 16, 4, 128, 2  # GQA group 4, head_dim 128: what the CUDA decode kernel takes
 SINK, RECENT = 4, 16  # small, so short rows already have an INT4 region
+SIDE_ROW = side_width(SINK, RECENT)  # INT8 side slots per request row
 ROWS, WIDTH, SLOTS = 8, 512, 4096  # req_to_token rows (plus SGLang's reserved row 0), row width, pool slots
 CAPTURE_BS = (4, 8)  # captured batch sizes (largest first at capture, as SGLang does)
 # request row -> (tokens prefilled, evicted logical span or None)
@@ -116,9 +119,7 @@ class Copy:
     def cache_state(self) -> dict[str, torch.Tensor]:
         """Every byte a real request can read: INT4 entries of slots >= 1, INT8 side entries of rows >= 1,
         slot positions of slots >= 1."""
-        from kvstreams_sglang.kv4 import side_width
-
-        row = side_width(SINK, RECENT)
+        row = SIDE_ROW
         out = {"slot_positions": self.pool.slot_positions[1:]}
         for i, c in enumerate(self.pool.layers):
             for name in ("k_codes", "k_meta", "v_codes", "v_meta"):
@@ -128,9 +129,7 @@ class Copy:
         return out
 
     def row0_side_untouched(self) -> bool:
-        from kvstreams_sglang.kv4 import side_width
-
-        row = side_width(SINK, RECENT)
+        row = SIDE_ROW
         return all(bool((getattr(c, n)[:row] == 0).all()) for c in self.pool.layers
                    for n in ("k_side", "k_side_scale", "v_side", "v_side_scale"))
 

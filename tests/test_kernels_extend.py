@@ -49,6 +49,7 @@ def test_dequantised_prefix_holds_the_keys_the_two_regions_read(device):
     from INT4) and its new tokens equals the two-region reference up to the reference's INT8 query rounding."""
     from bench.decode_attention import dequantized_prefix
     from kvstreams_sglang.kv4.hadamard import hadamard
+    from kvstreams_sglang.kv4.reference import full_precision_attention
 
     prefix, new, hq, hkv, d = [200, 30], [9, 20], 8, 2, 128
     cache, meta, _ = filled_cache(prefix, hkv=hkv, seed=5, device=device)
@@ -60,12 +61,10 @@ def test_dequantised_prefix_holds_the_keys_the_two_regions_read(device):
         k, v = dequantized_prefix(cache, meta, i, torch.float32)
         assert k.shape == v.shape == (length, hkv, d)
         rows = slice(qo[i], qo[i + 1])
-        keys = torch.cat((k, hadamard(k_new[rows]))).repeat_interleave(hq // hkv, 1)
-        values = torch.cat((v, v_new[rows])).repeat_interleave(hq // hkv, 1)
-        scores = torch.einsum("qhd,khd->hqk", hadamard(q[rows]), keys) * d ** -0.5
         j, t = torch.arange(length + m, device=device), torch.arange(m, device=device)
-        scores = scores.masked_fill(~((j[None] < length) | (j[None] - length <= t[:, None])), float("-inf"))
-        outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), values))
+        visible = (j[None] < length) | (j[None] - length <= t[:, None])  # the prefix, then causal
+        outs.append(full_precision_attention(hadamard(q[rows]), torch.cat((k, hadamard(k_new[rows]))),
+                                             torch.cat((v, v_new[rows])), d ** -0.5, visible)[0])
     out = torch.cat(outs)
     assert rel_l2(out, ref) <= 3e-2  # (0.9% here: the reference's INT8 queries)
     no_side = {**meta, "side_indptr": torch.zeros_like(meta["side_indptr"])}

@@ -17,8 +17,9 @@ region and nothing is ever rewritten.
 
 A step writes only into its new tokens' slots, which were free, with one exception: a new
 recent token's ring slot still holds the INT8 copy of the position ``recent + 1`` before it
-(``kv4.cache``: the ring's spare slot), in the INT4 region already. The side caches of all layers
-live in one tensor per field, so that a step saves what it will overwrite with one gather each
+(``kv4.cache``: the ring's spare slot). After the step that position is in the INT4 region; before
+it, for a step of several tokens, it may still be in the window. The side caches of all layers live
+in one tensor per field, so that a step saves what it will overwrite with one gather each
 (``KV4Pool.save_side``) and a failed step puts it back (``restore_side``).
 """
 
