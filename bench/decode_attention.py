@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 from typing import NamedTuple
 
 import torch
+
+from kvstreams_sglang.kernels.extend import ExtendTile
 
 
 def kv4_bytes(lengths: list[int], hq: int, hkv: int, d: int, sink: int, recent: int) -> int:
@@ -428,7 +431,11 @@ def store_bench(n=262144, hkv=8, d=128, out=None, check=True):
     return rows
 
 
-EXTEND_TILES = ((64, 64), (64, 32), (64, 128), (128, 32), (128, 64))  # (block_r, block_n); the first ships
+# kv4_extend launch shapes timed by --extend-sweep (kernels.extend.ExtendTile: block_r, block_n, num_warps, words);
+# ranked against the first, the default before the sweep (since: kernels.extend.GRID_TILE / SPLIT_TILE)
+EXTEND_TILES = tuple(ExtendTile(*t) for t in (
+    (64, 64, 4, False), (64, 64, 4, True), (64, 32, 4, True), (64, 128, 4, True), (128, 32, 4, True),
+    (128, 64, 4, True), (128, 64, 8, True), (128, 128, 8, True)))
 
 
 def dequantized_prefix(cache, idx, i: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,9 +462,9 @@ def _extend_row(b, length, n, hq, hkv, d, device, sweep: bool = False):
     kn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
     vn = torch.randn(b * n, hkv, d, device=device, dtype=torch.bfloat16)
     qo = torch.arange(b + 1, device=device, dtype=torch.int32) * n
-    def kv4(splits=None, block_r=64, block_n=64):
+    def kv4(splits=None, tile=None):
         return kv4_extend(q, kn, vn, qo, cache, idx["kv_indptr"], idx["kv_indices"], idx["side_indptr"],
-                          idx["side_indices"], max_new_tokens=n, splits=splits, block_r=block_r, block_n=block_n)
+                          idx["side_indices"], max_new_tokens=n, splits=splits, tile=tile)
 
     ms = triton.testing.do_bench(kv4, warmup=25, rep=200, return_mode="median")
     one = triton.testing.do_bench(lambda: kv4(1), warmup=25, rep=200, return_mode="median")
@@ -467,12 +474,16 @@ def _extend_row(b, length, n, hq, hkv, d, device, sweep: bool = False):
                kv4_extend_unsplit_ms=one, split_speedup=one / ms)
     if sweep:  # the kernel's tiles: rows of (tokens x query heads) and prefix keys per program
         row["tiles_ms"] = {}
-        for br, bn in EXTEND_TILES:
+        row["tiles_rel_l2"] = {}  # each tile's output against the pre-sweep default's
+        base = kv4(tile=EXTEND_TILES[0]).float()
+        for tile in EXTEND_TILES:
             try:
-                row["tiles_ms"][f"r{br}_n{bn}"] = triton.testing.do_bench(
-                    lambda br=br, bn=bn: kv4(block_r=br, block_n=bn), warmup=10, rep=100, return_mode="median")
+                got = kv4(tile=tile).float()
+                row["tiles_rel_l2"][tile.name()] = float((got - base).norm() / base.norm())
+                row["tiles_ms"][tile.name()] = triton.testing.do_bench(
+                    lambda tile=tile: kv4(tile=tile), warmup=10, rep=100, return_mode="median")
             except Exception as e:  # e.g. out of shared memory: recorded, the sweep goes on
-                row["tiles_ms"][f"r{br}_n{bn}"] = repr(e)[:160]
+                row["tiles_ms"][tile.name()] = repr(e)[:160]
     try:
         import flashinfer
     except ImportError:
@@ -503,21 +514,40 @@ def _extend_row(b, length, n, hq, hkv, d, device, sweep: bool = False):
 
 
 def extend_bench(shapes=((1, 8192, 1024), (4, 4096, 512), (8, 2048, 256), (1, 3072, 231), (2, 4096, 128),
-                         (1, 8192, 64), (4, 2048, 32)), hq=32, hkv=8, d=128, out=None, sweep: bool = False):
+                         (1, 8192, 64), (4, 2048, 32), (16, 3072, 192)),  # the last: a rollout step's turns
+                 hq=32, hkv=8, d=128, out=None, sweep: bool = False):
     """Extend/prefill: ``kv4_extend`` (B requests, each a prefix of L cached tokens in KV4 plus n new tokens
     attending causally; split-K as shipped and unsplit) vs FlashInfer's BF16 prefill on the same tokens held
     contiguous in BF16 (one ``single_prefill_with_kv_cache`` per request, causal aligned to the end), in one
     process."""
     rows = []
-    for b, length, n in shapes:
+    for b, length, n in shapes:  # the JSON is rewritten after every shape: a run cut short keeps its rows
         rows.append(_extend_row(b, length, n, hq, hkv, d, torch.device("cuda"), sweep=sweep))
         print("extend", rows[-1], flush=True)
-    if out:
-        with open(out, "w") as f:
-            json.dump(dict(device=torch.cuda.get_device_name(), rows=rows,
-                           command="python -m bench.decode_attention --extend" + (" --extend-sweep" if sweep else "")),
-                      f, indent=1)
+        result = dict(device=torch.cuda.get_device_name(), rows=rows,
+                      command="python -m bench.decode_attention --extend" + (" --extend-sweep" if sweep else ""))
+        if sweep:
+            result["tiles"] = rank_extend_tiles(rows)
+        if out:
+            with open(out, "w") as f:
+                json.dump(result, f, indent=1)
+    if sweep:
+        print("extend tiles, best first:", result["tiles"], flush=True)
     return rows
+
+
+def rank_extend_tiles(rows: list[dict]) -> list[dict]:
+    """Each swept tile's geometric-mean time relative to the pre-sweep default (``EXTEND_TILES[0]``) over the rows,
+    best first; a tile that failed or disagreed with its output (rel. L2 > 1e-2) on some shape ranks last."""
+    default = EXTEND_TILES[0].name()
+    ranked = []
+    for tile in EXTEND_TILES:
+        ratios = [r["tiles_ms"][tile.name()] / r["tiles_ms"][default] for r in rows
+                  if isinstance(r["tiles_ms"].get(tile.name()), float) and isinstance(r["tiles_ms"].get(default), float)
+                  and r["tiles_rel_l2"].get(tile.name(), 1.0) <= 1e-2]
+        ok = len(ratios) == len(rows) and ratios
+        ranked.append(dict(tile=tile.name(), vs_first=math.prod(ratios) ** (1 / len(ratios)) if ok else None))
+    return sorted(ranked, key=lambda t: (t["vs_first"] is None, t["vs_first"] or 0.0))
 
 
 def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):

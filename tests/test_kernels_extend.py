@@ -5,6 +5,7 @@ import torch
 from kv4_cases import filled_cache, rel_l2
 
 from kvstreams_sglang.kernels import kv4_extend
+from kvstreams_sglang.kernels.extend import ExtendTile
 from kvstreams_sglang.kv4.reference import extend_reference
 
 
@@ -17,12 +18,14 @@ from kvstreams_sglang.kv4.reference import extend_reference
     ],
 )
 @pytest.mark.parametrize("splits", [1, 3])
-def test_extend_kernel_matches_reference(prefix, new, hq, hkv, splits, device):
+@pytest.mark.parametrize("words", [True, False], ids=["words", "bytes"])  # the two INT4 unpacks (ExtendTile.words)
+def test_extend_kernel_matches_reference(prefix, new, hq, hkv, splits, words, device):
     cache, meta, _ = filled_cache(prefix, hkv=hkv, seed=sum(new), device=device)
     n = sum(new)
     qo_indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
     q, k_new, v_new = (torch.randn(n, h, 128, device=device) for h in (hq, hkv, hkv))
-    out = kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, block_r=16, block_n=32, splits=splits)
+    tile = ExtendTile(block_r=16, block_n=32, words=words)
+    out = kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, tile=tile, splits=splits)
     ref = extend_reference(q, k_new, v_new, qo_indptr, cache, **meta)
     assert rel_l2(out, ref) <= 1e-3
 
@@ -71,3 +74,10 @@ def test_dequantised_prefix_holds_the_keys_the_two_regions_read(device):
     without_side = rel_l2(out, extend_reference(q, k_new, v_new, torch.tensor(qo, dtype=torch.int32, device=device),
                                                 cache, **no_side))
     assert without_side > 0.5  # the comparison can tell a missing region (1.2 here)
+
+
+def test_extend_tile_parses_and_rejects_bad_text():
+    assert ExtendTile.parse("128,64,8,words") == ExtendTile(128, 64, 8, True)
+    assert ExtendTile.parse(ExtendTile(64, 32, 4, False).name()) == ExtendTile(64, 32, 4, False)
+    with pytest.raises(ValueError, match="block_r,block_n,num_warps"):
+        ExtendTile.parse("128,64,words")

@@ -17,15 +17,17 @@ Reference: ``kv4.reference.extend_reference``.
 from __future__ import annotations
 
 import functools
+import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ..kv4.cache import KV4LayerCache
-from .decode import LOG2E
+from .decode import FP16_MAGIC, LOG2E, meta_words, use_asm
 from .quantize import kv4_quantize_query
-from .tiles import int4_tile, int8_region, online_update
+from .tiles import int4_load_w, int4_math_w, int4_tile, int8_region, online_update
 
 
 @triton.jit
@@ -36,9 +38,9 @@ def _extend_kernel(
     KCodes, KMeta, VCodes, VMeta, KSide, KSideScale, VSide, VSideScale,
     stride_cs, stride_ch, stride_ms, stride_mh, stride_ss, stride_sh, stride_scs, stride_sch,
     Out, stride_os, stride_ot, stride_oh, Lse, stride_ls, stride_lt,
-    sm_scale_log2,
+    sm_scale_log2, magic,
     GROUP: tl.constexpr, TOK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr,
+    HALF: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr, WORDS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     mb = tl.program_id(0)
     b = tl.program_id(1) // SPLITS
@@ -77,9 +79,15 @@ def _extend_kernel(
         n = n0 + tl.arange(0, BLOCK_N)
         nmask = n < hi
         slot = tl.load(KvIndices + start + n, mask=nmask, other=0).to(tl.int64)
-        m_i, l_i, acc_lo, acc_hi, acc_off = int4_tile(
-            q8_lo, q8_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nmask, hk,
-            KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh, HALF)
+        if WORDS:  # KMeta/VMeta are int32 words (scale, offset): the decode's word-wide unpack
+            kc, kw, vc, vw = int4_load_w(slot, nmask, hk, KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch,
+                                         stride_ms, stride_mh, HALF)
+            m_i, l_i, acc_lo, acc_hi, acc_off = int4_math_w(q8_lo, q8_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi,
+                                                            acc_off, nmask, kc, kw, vc, vw, magic, USE_ASM)
+        else:
+            m_i, l_i, acc_lo, acc_hi, acc_off = int4_tile(
+                q8_lo, q8_hi, qs, q_sum, m_i, l_i, acc_lo, acc_hi, acc_off, slot, nmask, hk,
+                KCodes, KMeta, VCodes, VMeta, stride_cs, stride_ch, stride_ms, stride_mh, HALF)
     acc_lo += acc_off[:, None]
     acc_hi += acc_off[:, None]
 
@@ -150,6 +158,38 @@ def _merge_splits_kernel(Part, Lse, Out, stride_ps, stride_pt, stride_ph, stride
              mask=hmask[:, None])
 
 
+class ExtendTile(NamedTuple):
+    """Launch shape of ``_extend_kernel``: ``block_r`` (token, query head) rows and ``block_n`` prefix keys per
+    program, ``num_warps``, and ``words``: INT4 tiles unpacked word-wide as in decode (inline PTX on the GPU, the
+    same arithmetic), else byte by byte."""
+    block_r: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    words: bool = True
+
+    @classmethod
+    def parse(cls, text: str) -> ExtendTile:
+        """``"block_r,block_n,num_warps,words|bytes"``, e.g. ``"128,64,8,words"``."""
+        parts = [p.strip() for p in text.split(",")]
+        if len(parts) != 4 or parts[3] not in ("words", "bytes") or not all(p.isdigit() for p in parts[:3]):
+            raise ValueError(f"extend tile {text!r}: expected 'block_r,block_n,num_warps,words|bytes'")
+        return cls(int(parts[0]), int(parts[1]), int(parts[2]), parts[3] == "words")
+
+    def name(self) -> str:
+        return f"{self.block_r},{self.block_n},{self.num_warps},{'words' if self.words else 'bytes'}"
+
+
+# The default launch shapes, from the H200 sweep (bench/results/extend_sweep_h200.json: 1.43x the byte-unpack
+# 64-row tile in geometric mean over 8 shapes): 128 rows (32 tokens x 4 heads) halve the prefix unpacking per
+# query; a grid that fills the GPU unsplit runs best with 32-key tiles and 4 warps (a rollout step's turns:
+# 16 x 3072 + 192 new, 0.96 ms vs 1.50), a split-K grid with 64-key tiles and 8 warps (1 x 8192 + 64: 0.15 vs 0.29).
+GRID_TILE = ExtendTile(128, 32, 4, True)
+SPLIT_TILE = ExtendTile(128, 64, 8, True)
+# KVSTREAMS_EXTEND_TILE="block_r,block_n,num_warps,words|bytes" replaces both process-wide (benchmarks: a tile
+# from `bench.decode_attention --extend-sweep` tried in a rollout without a code change)
+TILE_OVERRIDE = ExtendTile.parse(os.environ["KVSTREAMS_EXTEND_TILE"]) \
+    if os.environ.get("KVSTREAMS_EXTEND_TILE") else None
+
 _PARTIAL_BYTES = 64 << 20  # cap on the split partials' scratch (fp32 outputs of every split)
 
 
@@ -182,12 +222,14 @@ def extend_splits(programs: int, n: int, hq: int, d: int, device: torch.device) 
 def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
                cache: KV4LayerCache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                side_indptr: torch.Tensor, side_indices: torch.Tensor, *, max_new_tokens: int | None = None,
-               sm_scale: float | None = None, rotate: bool = True, block_r: int = 64,
-               block_n: int = 64, splits: int | None = None) -> torch.Tensor:
+               sm_scale: float | None = None, rotate: bool = True, tile: ExtendTile | None = None,
+               splits: int | None = None) -> torch.Tensor:
     """``q [N, Hq, D]``, ``k_new, v_new [N, Hkv, D]`` (post-RoPE, unrotated) for the new
     tokens of ``B`` requests laid out by ``qo_indptr [B+1]``; the prefix index lists are
     CSR like in decode. Returns ``out [N, Hq, D]`` in q's dtype (fp32 for fp64).
-    ``splits``: chunks of the INT4 prefix run by separate programs and merged (None: ``extend_splits``)."""
+    ``splits``: chunks of the INT4 prefix run by separate programs and merged (None: ``extend_splits``);
+    ``tile``: the launch shape (None: ``TILE_OVERRIDE`` if set, else ``GRID_TILE`` or, when the grid needs
+    split-K, ``SPLIT_TILE``)."""
     n, hq, d = q.shape
     hkv = cache.num_kv_heads
     if hq % hkv or d != cache.head_dim or k_new.shape != (n, hkv, d) or v_new.shape != k_new.shape:
@@ -204,10 +246,18 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
         return out
     if max_new_tokens is None:
         max_new_tokens = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-    block_r = max(block_r, 16, triton.next_power_of_2(group))
-    tok = block_r // group
     b = qo_indptr.numel() - 1
-    q_blocks = triton.cdiv(max_new_tokens, tok)
+
+    def grid(block_r: int) -> tuple[int, int, int]:  # (block_r, tokens per program, query blocks)
+        block_r = max(block_r, 16, triton.next_power_of_2(group))
+        return block_r, block_r // group, triton.cdiv(max_new_tokens, block_r // group)
+
+    if tile is None and TILE_OVERRIDE is None:  # GRID_TILE and SPLIT_TILE have the same rows: one grid decides
+        _, _, blocks = grid(GRID_TILE.block_r)
+        split = (splits or extend_splits(blocks * b * hkv, n, hq, d, q.device)) > 1
+        tile = SPLIT_TILE if split else GRID_TILE
+    tile = tile or TILE_OVERRIDE
+    block_r, tok, q_blocks = grid(tile.block_r)
     if splits is None:
         splits = extend_splits(q_blocks * b * hkv, n, hq, d, q.device)
     if splits > 1:
@@ -218,19 +268,21 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
         part = lse = None
         target, lse_strides = out.unsqueeze(0), (0, 0)
     c = cache
+    k_meta, v_meta = (meta_words(c.k_meta), meta_words(c.v_meta)) if tile.words else (c.k_meta, c.v_meta)
     _extend_kernel[(q_blocks, b * splits, hkv)](
         qc, qc.stride(0), qc.stride(1), codes, qscale, codes.stride(0), codes.stride(1),
         qscale.stride(0), qscale.stride(1),
         kc, vc, kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1), qo_indptr.to(torch.int32),
         kv_indptr.to(torch.int32), kv_indices, side_indptr.to(torch.int32), side_indices,
-        c.k_codes, c.k_meta, c.v_codes, c.v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale,
-        c.k_codes.stride(0), c.k_codes.stride(1), c.k_meta.stride(0), c.k_meta.stride(1),
+        c.k_codes, k_meta, c.v_codes, v_meta, c.k_side, c.k_side_scale, c.v_side, c.v_side_scale,
+        c.k_codes.stride(0), c.k_codes.stride(1), k_meta.stride(0), k_meta.stride(1),
         c.k_side.stride(0), c.k_side.stride(1), c.k_side_scale.stride(0), c.k_side_scale.stride(1),
         target, target.stride(0), target.stride(1), target.stride(2), lse if lse is not None else target,
         *lse_strides,
-        sm_scale * LOG2E,
-        GROUP=group, TOK=tok, BLOCK_R=block_r, BLOCK_N=block_n, HALF=d // 2,
-        DOT_PREC="ieee" if compute == torch.float32 else "tf32", SPLITS=splits,
+        sm_scale * LOG2E, FP16_MAGIC,
+        GROUP=group, TOK=tok, BLOCK_R=block_r, BLOCK_N=tile.block_n, HALF=d // 2,
+        DOT_PREC="ieee" if compute == torch.float32 else "tf32", SPLITS=splits, WORDS=tile.words,
+        USE_ASM=use_asm(q.device), num_warps=tile.num_warps,
     )
     if splits > 1:
         block_h = min(triton.next_power_of_2(hq), 16)
