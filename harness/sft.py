@@ -53,7 +53,8 @@ class SFTConfig(BaseModel):
 
     steps: int = Field(40, ge=0, description="optimizer steps (0: no warm-start)")
     lr: float = Field(3e-3, gt=0)
-    episodes_per_step: int = Field(16, ge=1, description="expert episodes per optimizer step")
+    episodes_per_step: int = Field(16, ge=1, description="expert episodes per optimizer step (from each rendering "
+                                   "when SFT renders under several compactions)")
     episodes: int = Field(256, ge=1, description="expert episodes played (over the train games); steps cycle "
                                                  "through them")
     detour: float = Field(0.5, ge=0, lt=1, description="probability that a turn plays a detour, not the expert")
@@ -131,10 +132,12 @@ class ExpertClient:
 
 async def expert_records(taskset: TaskSet, renderer: ChatRenderer, compaction: CompactionConfig,
                          episode: EpisodeConfig, config: SFTConfig, *, split: str = "train", seed: int = 0,
-                         on_episode: Callable[[], None] | None = None, concurrency: int = 32) -> list[StreamRecord]:
-    """``config.episodes`` expert episodes over the ``split`` games (cycling), as records, in episode order
-    whatever order they finish in. Up to ``concurrency`` play at once: environments stepped in worker threads
-    (``episode.env_in_thread``) then wait on their games together (ALFWorld's player processes)."""
+                         on_episode: Callable[[], None] | None = None,
+                         concurrency: int = 32) -> list[list[StreamRecord]]:
+    """``config.episodes`` expert episodes over the ``split`` games (cycling), each as its records (one per
+    stream: re-prefill compaction starts a new one), in episode order whatever order they finish in. Up to
+    ``concurrency`` play at once: environments stepped in worker threads (``episode.env_in_thread``) then wait on
+    their games together (ALFWorld's player processes)."""
     if compaction.strategy in ASKS_THE_MODEL:
         raise ValueError(f"SFT from expert episodes needs a strategy that never asks the model; "
                          f"{compaction.strategy!r} does")
@@ -150,7 +153,7 @@ async def expert_records(taskset: TaskSet, renderer: ChatRenderer, compaction: C
             on_episode()
         return ep.records
 
-    return [r for records in await asyncio.gather(*(one(i) for i in range(config.episodes))) for r in records]
+    return list(await asyncio.gather(*(one(i) for i in range(config.episodes))))
 
 
 def expert_nll(trainer: Trainer, records: list[StreamRecord], *, micro_batch: int = 4,
@@ -180,18 +183,24 @@ def sft_step(trainer: Trainer, records: list[StreamRecord], *, micro_batch: int 
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
 
 
-def batches(records: list[StreamRecord], size: int, steps: int, *, seed: int = 0) -> list[list[StreamRecord]]:
-    """``steps`` batches of ``size`` records: shuffled epochs over ``records``."""
+def batches(renderings: list[list[list[StreamRecord]]], size: int, steps: int, *,
+            seed: int = 0) -> list[list[StreamRecord]]:
+    """``steps`` batches, each the records of ``size`` episodes from every rendering (shuffled epochs over each
+    rendering's episodes). Episodes, not records: a re-prefilled episode is one record per compaction, and
+    sampling records would fill a batch with its windows and starve the renderings of one record per episode."""
     rng = random.Random(seed)
-    order: list[int] = []
+    orders: list[list[int]] = [[] for _ in renderings]
     out = []
     for _ in range(steps):
-        while len(order) < size:
-            epoch = list(range(len(records)))
-            rng.shuffle(epoch)
-            order.extend(epoch)
-        out.append([records[i] for i in order[:size]])
-        order = order[size:]
+        batch = []
+        for episodes, order in zip(renderings, orders, strict=True):
+            while len(order) < size:
+                epoch = list(range(len(episodes)))
+                rng.shuffle(epoch)
+                order.extend(epoch)
+            batch += [r for i in order[:size] for r in episodes[i]]
+            del order[:size]
+        out.append(batch)
     return out
 
 
@@ -241,15 +250,16 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
     renderings = compactions or [cfg.compaction]
     with Progress(transient=True, console=console) as progress:
         bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
-        records, probe = [], []
+        episodes, probe = [], []  # episodes: per rendering, per episode, its records
         for compaction in renderings:
-            records += await expert_records(taskset, renderer, compaction, ep_cfg, sft,
-                                            split=cfg.environment.train_split, seed=cfg.run.seed,
-                                            on_episode=lambda: progress.advance(bar))
-            probe += await expert_records(taskset, renderer, compaction, ep_cfg,
-                                          sft.model_copy(update={"episodes": sft.probe_episodes}),
-                                          split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
-                                          on_episode=lambda: progress.advance(bar))
+            episodes.append(await expert_records(taskset, renderer, compaction, ep_cfg, sft,
+                                                 split=cfg.environment.train_split, seed=cfg.run.seed,
+                                                 on_episode=lambda: progress.advance(bar)))
+            probe += [r for ep in await expert_records(taskset, renderer, compaction, ep_cfg,
+                                                       sft.model_copy(update={"episodes": sft.probe_episodes}),
+                                                       split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
+                                                       on_episode=lambda: progress.advance(bar)) for r in ep]
+    records = [r for rendering in episodes for ep in rendering for r in ep]
     compacted = sum(1 for r in records if r.evictions)
     command_tokens = sum(sum(r.loss_mask) for r in records)
     console.print(f"{len(records)} expert episode records ({compacted} compacted), {command_tokens} command tokens")
@@ -262,7 +272,7 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
     steps, check = 0, None
     with Progress(console=console) as progress:
         bar = progress.add_task("SFT steps", total=sft.steps)
-        for step, batch in enumerate(batches(records, sft.episodes_per_step, sft.steps, seed=cfg.run.seed)):
+        for step, batch in enumerate(batches(episodes, sft.episodes_per_step, sft.steps, seed=cfg.run.seed)):
             row = {"step": step, **sft_step(trainer, batch, micro_batch=sft.micro_batch_records)}
             steps = step + 1
             stop = False
@@ -273,6 +283,8 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
                                            temperature=0.0, seed=cfg.run.seed)
                 check = row["train_win_rate"] = result.win_rate
                 stop = check >= sft.stop_train_win_rate
+                if not console.is_terminal:  # a log file sees no live bar: one line per check instead
+                    console.print(f"SFT step {steps}: nll {row['nll']:.3f}, greedy train wins {check:.0%}")
             log.log(row)
             progress.update(bar, advance=1, description=f"SFT steps (nll {row['nll']:.3f})")
             if stop:

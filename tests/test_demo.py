@@ -75,3 +75,19 @@ def test_kv_peaks_counts_the_keys_a_query_sees_under_evictions():
                           loss_mask=[False] * 10, logprobs=[None] * 10, policy_versions=[None] * 10,
                           evictions=[{"at_index": 7, "spans": [(2, 6)]}])
     assert kv_peaks(record) == (7, 10)
+
+
+def test_sft_batches_take_whole_episodes_from_every_rendering():
+    from harness.sft import batches
+
+    def episode(tag: str, n_records: int) -> list[str]:
+        return [f"{tag}.{j}" for j in range(n_records)]
+
+    streams = [episode(f"s{i}", 1) for i in range(3)]  # KV-streams: one record per episode
+    reprefill = [episode(f"r{i}", 5) for i in range(4)]  # re-prefill: a record per compaction
+    out = batches([streams, reprefill], size=2, steps=6, seed=0)
+    for batch in out:  # 2 episodes of each rendering (an epoch boundary may repeat one)
+        assert sum(r.startswith("s") for r in batch) == 2 and sum(r.endswith(".0") for r in batch) == 4
+        assert sum(r.startswith("r") for r in batch) == 2 * 5  # an episode's records travel together
+    # shuffled epochs: over 2 steps every re-prefilled episode (4) is seen once
+    assert {r.split(".")[0] for b in out[:2] for r in b if r.startswith("r")} == {f"r{i}" for i in range(4)}
