@@ -10,10 +10,12 @@
 # between calls. Checkpoints never travel (the SFT model alone is ~300 MB); everything else comes back as
 # $OUT/learning_ENV_state.tar.xz: carry it as .devlearn/learning_ENV_state.tar.xz and a fresh machine starts from
 # it (finished runs kept; SFT done again, deterministically seeded, its hash recorded per run and compared).
-# Budget (estimates until a GPU run measures them): games, vocabulary and expert episodes ~2.5 min (TextWorld plays
-# its games under one process-wide lock), SFT steps and checks ~1-2 min, each RL run 75 s of GPU time + ~1 min of
-# evaluations and start-up. The bench stops at 530 s and writes its report: expect `all` to take two calls (call
-# again on the warm machine: it continues where it stopped).
+# Budget (measured on the H200): games and model ~50 s; an SFT on the KV-streams rendering alone 322 s with its
+# checks (stopped at step 120); each RL run 75 s of GPU time + ~1 min of evaluations and start-up. SFT on the three
+# runs' renderings (2026-12-03: 6176 expert records) did not reach its stop within one call's 530 s while batches
+# sampled records (a re-prefilled episode is a record per compaction); batches now take whole episodes from every
+# rendering, not yet re-measured. The bench stops at 530 s and writes its report: expect `all` to take two or three
+# calls on one warm machine (call again within its idle release: it continues where it stopped).
 # Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, and
 # jit_cache.tar.xz (Triton's cache: carry it as .devcache/jit_cache.tar.xz to skip the compiles next time).
 set -o pipefail
