@@ -468,9 +468,9 @@ def _extend_row(b, length, n, hq, hkv, d, device, sweep: bool = False):
 
     ms = triton.testing.do_bench(kv4, warmup=25, rep=200, return_mode="median")
     one = triton.testing.do_bench(lambda: kv4(1), warmup=25, rep=200, return_mode="median")
-    from kvstreams_sglang.kernels.extend import extend_splits
+    from kvstreams_sglang.kernels.extend import GRID_TILE, extend_splits
     row = dict(batch=b, prefix=length, new=n, kv4_extend_ms=ms, new_tokens_per_s=b * n / ms * 1e3,
-               splits=extend_splits(triton.cdiv(n, 64 // (hq // hkv)) * b * hkv, b * n, hq, d, device),
+               splits=extend_splits(triton.cdiv(n, GRID_TILE.block_r // (hq // hkv)) * b * hkv, b * n, hq, d, device),
                kv4_extend_unsplit_ms=one, split_speedup=one / ms)
     if sweep:  # the kernel's tiles: rows of (tokens x query heads) and prefix keys per program
         row["tiles_ms"] = {}
@@ -554,10 +554,11 @@ def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
     """Host time per call of the KV4 decode and its parts (launch-bound small shapes): back-to-back calls
     without synchronisation, so the GPU never limits the host loop when the kernels are short. ``kv4_graph_replay``:
     one layer's decode replayed from a CUDA graph (what SGLang's captured decode pays per layer: nothing on the
-    host but the replay of the whole graph)."""
+    host but the replay of the whole graph). ``kv4_extend``: one layer's extend (eager in SGLang: paid per layer of
+    every prefill step) with 8 new tokens per request, split-K and not."""
     import time
 
-    from kvstreams_sglang.kernels import kv4_quantize_query
+    from kvstreams_sglang.kernels import kv4_extend, kv4_quantize_query
 
     device = torch.device("cuda")
     cache, meta = build_kv4_case([length] * batch, hq, hkv, d, 16, 128, device)
@@ -570,6 +571,13 @@ def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
     parts = dict(kv4_decode=lambda: ws.decode(q, cache, plan), kv4_triton=lambda: tri.decode(q, cache, tplan),
                  kv4_graph_replay=graph_replay(gws, q, cache), quantize_query=lambda: kv4_quantize_query(q),
                  empty_alloc=lambda: torch.empty(batch, hq, plan.splits.num + 1, d, device=device))
+    new = 8
+    qe = torch.randn(batch * new, hq, d, device=device, dtype=torch.bfloat16)
+    ke, ve = (torch.randn(batch * new, hkv, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    qo = torch.arange(batch + 1, device=device, dtype=torch.int32) * new
+    for splits in (1, None):
+        parts[f"kv4_extend_splits_{splits or 'auto'}"] = lambda splits=splits: kv4_extend(
+            qe, ke, ve, qo, cache, **meta, max_new_tokens=new, splits=splits)
     rows = {}
     for name, fn in parts.items():
         for _ in range(20):

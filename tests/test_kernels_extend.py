@@ -36,6 +36,8 @@ def test_extend_splits_fill_the_gpu_within_the_scratch_cap():
     cpu = torch.device("cpu")  # 4 "SMs" on CPU: 8 programs wanted
     assert extend_splits(1, 10, 4, 128, cpu) == 8
     assert extend_splits(100, 10, 4, 128, cpu) == 1  # a full grid is not split
+    assert extend_splits(3, 10, 4, 128, cpu) == 3  # short of a program per SM: two per SM
+    assert extend_splits(4, 10, 4, 128, cpu) == 1  # a program per SM already
     assert extend_splits(1, 1 << 16, 32, 128, cpu) == 1  # a long prefill would need > 64 MiB of partials
 
 

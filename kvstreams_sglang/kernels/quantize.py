@@ -43,15 +43,16 @@ def rotate_halves(x_lo, x_hi, Hmat, HALF: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF: tl.constexpr):
+def rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF: tl.constexpr, PREC: tl.constexpr = "ieee"):
     """``rotate_halves`` for the Sylvester Hadamard matrix, whose blocks are ``H00 = H01 = H10 = -H11``:
     ``[x_lo + x_hi, x_lo - x_hi] @ H00``, one 64x64 block instead of four (a quarter of the matrix
-    loads and registers, half the FMAs; the decode kernel rotates its own query rows with it)."""
+    loads and registers, half the FMAs; the decode kernel rotates its own query rows with it). ``PREC``
+    as in ``rotate_halves``."""
     e = tl.arange(0, HALF)
     d = tl.arange(0, HALF)
     h00 = tl.load(Hmat + e[:, None] * (2 * HALF) + d[None, :])
-    r_lo = tl.dot(x_lo + x_hi, h00, input_precision="ieee")
-    r_hi = tl.dot(x_lo - x_hi, h00, input_precision="ieee")
+    r_lo = tl.dot(x_lo + x_hi, h00, input_precision=PREC)
+    r_hi = tl.dot(x_lo - x_hi, h00, input_precision=PREC)
     return r_lo, r_hi
 
 
@@ -89,8 +90,9 @@ def _query_kernel(Q, stride_qr, Hmat, Codes, Scale, R, HALF: tl.constexpr, BLOCK
     d = tl.arange(0, HALF)
     x_lo = tl.load(Q + r[:, None] * stride_qr + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     x_hi = tl.load(Q + r[:, None] * stride_qr + HALF + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    if ROTATE:  # one 64x64 block (Sylvester) per program: the four-block form made this kernel L2 bound
-        x_lo, x_hi = rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF)
+    if ROTATE:  # one 64x64 block (Sylvester) per program: the four-block form made this kernel L2 bound; on the
+        # tensor cores in three tf32 passes (~fp32), as the store's rotation (an IEEE one made the store 1.8x slower)
+        x_lo, x_hi = rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF, "tf32x3")
     c_lo, c_hi, scale = int8_codes(x_lo, x_hi)
     tl.store(Codes + r[:, None] * (2 * HALF) + d[None, :], c_lo, mask=rmask[:, None])
     tl.store(Codes + r[:, None] * (2 * HALF) + HALF + d[None, :], c_hi, mask=rmask[:, None])
