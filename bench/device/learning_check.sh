@@ -14,7 +14,8 @@
 # checks (stopped at step 120); each RL run 75 s of GPU time + ~1 min of evaluations and start-up. SFT on the three
 # runs' renderings (2026-12-03: 6176 expert records) did not reach its stop within one call's 530 s while batches
 # sampled records (a re-prefilled episode is a record per compaction); batches now take whole episodes from every
-# rendering, not yet re-measured. The bench stops at 530 s and writes its report: expect `all` to take two or three
+# rendering, not yet re-measured: a step is then 16 episodes of each (coin25 expert episodes, CPU-counted: 2.3k
+# tokens as KV-streams or full context, 21.7k as re-prefill in 22.75 records; ~420k tokens a step). The bench stops at 530 s and writes its report: expect `all` to take two or three
 # calls on one warm machine (call again within its idle release: it continues where it stopped).
 # Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, and
 # jit_cache.tar.xz (Triton's cache: carry it as .devcache/jit_cache.tar.xz to skip the compiles next time).
