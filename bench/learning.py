@@ -13,7 +13,10 @@ Stages, each skipped when an earlier call finished it (state under ``--out-dir``
    config. Each run evaluates the held-out splits (``[evaluation]``) at its start, every
    ``evaluation.every`` steps and at its end; its GPU time is the wall time of its steps (rollouts and
    training overlap; weight syncs; the drains before evaluations), evaluation excluded.
-3. the report (every call, whatever got done): ``--json`` (default ``OUT_DIR/learning.json``) with the
+3. ``fidelity`` (``[fidelity]``; empty ``lengths`` skips it): sampler fidelity at length of the SFT checkpoint,
+   ``D_sampler`` of KV8 / KV4 / KV4 + 16 sink + 128 recent against BF16 (``bench.sampler_fidelity``) on streams of
+   recorded TextWorld games played back to back, one measurement per length (default 4k and 16k tokens).
+4. the report (every call, whatever got done): ``--json`` (default ``OUT_DIR/learning.json``) with the
    evaluation points, the commands, the config, the checkpoints' hashes and the targets of ``[targets]``
    met or missed by how much, and a PNG beside it (win rate vs GPU-seconds, a line per run). Written
    atomically.
@@ -26,7 +29,7 @@ from an earlier stage of the same machine, or SFT is done again (same seed, same
 sha256 of the checkpoint it started from and the report says whether the three match.
 
     python -m bench.learning --config configs/textworld/gpu_small.toml --out-dir runs/learning/textworld \\
-        [--stage all|sft|kv_streams|reprefill|full_context|report ...] [--json PATH] [--section.key value ...]
+        [--stage all|sft|kv_streams|reprefill|full_context|fidelity|report ...] [--json PATH] [--section.key value ...]
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ RUNS: dict[str, dict[str, str]] = {
     "reprefill": {"compaction.execution": "reprefill", "inference.kv_dtype": "bf16"},
     "full_context": {"compaction.strategy": "full_context", "inference.kv_dtype": "bf16"},
 }
-STAGES = ("sft", *RUNS)
+STAGES = ("sft", *RUNS, "fidelity")
 
 
 class TargetsConfig(Section):
@@ -69,9 +72,20 @@ class TargetsConfig(Section):
                                            "below full_context's (None: not a target)")
 
 
+class FidelityConfig(Section):
+    """Sampler fidelity at length (``bench.sampler_fidelity``) of the SFT checkpoint: ``D_sampler`` of KV8, KV4 and
+    KV4 + 16 sink + 128 recent against BF16 on streams of recorded games played back to back."""
+
+    lengths: list[int] = Field([4096, 16384], description="one measurement per entry: streams of at least this many "
+                               "tokens (empty: no fidelity stage)")
+    episodes: int = Field(8, ge=1, description="streams per length")
+    max_new_tokens: int = Field(12, ge=1, description="longest sampled command")
+
+
 class LearningConfig(Config):
     sft: SFTConfig = SFTConfig()
     targets: TargetsConfig = TargetsConfig()
+    fidelity: FidelityConfig = FidelityConfig()
 
 
 def tree_sha256(path: str | Path) -> str:
@@ -97,7 +111,7 @@ def read_json(path: Path):
 
 def run_config(cfg: LearningConfig, name: str, model_path: str, output_dir: Path) -> Config:
     """The harness config of run ``name``: the shared config with ``RUNS[name]`` applied, from ``model_path``."""
-    data = cfg.model_dump(mode="json", exclude={"sft", "targets"})
+    data = cfg.model_dump(mode="json", exclude={"sft", "targets", "fidelity"})
     settings = {**RUNS[name], "model.path": model_path, "run.output_dir": str(output_dir)}
     return Config.model_validate(apply_overrides(data, [f"--{k}={v}" for k, v in settings.items()]))
 
@@ -195,6 +209,28 @@ class LearningBench:
             torch.cuda.empty_cache()
         return record
 
+    async def fidelity(self) -> dict:
+        """``D_sampler`` of the SFT checkpoint per ``[fidelity]`` length; ``fidelity/done.json``."""
+        from bench import sampler_fidelity
+
+        done = read_json(self.out / "fidelity" / "done.json")
+        if done is not None:
+            return done
+        sft = await self.sft()
+        f = self.cfg.fidelity
+        self.console.rule(f"[bold]Sampler fidelity at length: streams of >= {f.lengths} tokens")
+        record = {"sft_sha256": sft["sft_sha256"], "lengths": {}}
+        for length in f.lengths:
+            t0 = time.perf_counter()
+            res = sampler_fidelity.run(str(self.sft_model), self.device, episodes=f.episodes,
+                                       max_new_tokens=f.max_new_tokens, seed=self.cfg.run.seed, check_episodes=0,
+                                       min_tokens=length, system_prompt=self.cfg.environment.options.get(
+                                           "system_prompt"), log=self.console.print)
+            res["seconds"] = round(time.perf_counter() - t0, 1)
+            record["lengths"][str(length)] = res
+        write_json(self.out / "fidelity" / "done.json", record)
+        return record
+
     # --- stage 3 ---------------------------------------------------------------------------------------
     def points(self, name: str) -> list[dict]:
         """The run's evaluations, one point per step: win rate over all eval splits and per split."""
@@ -237,7 +273,7 @@ class LearningBench:
             "engine": "builtin (kvstreams_sglang.engine)",
             "gpu_seconds": "wall seconds of each run's RL steps on the one device (rollouts and training, "
                            "overlapped; weight syncs; drains before evaluations); held-out evaluation excluded",
-            "stages_done": [s for s in STAGES if (self.out / ("sft" if s == "sft" else f"runs/{s}") /
+            "stages_done": [s for s in STAGES if (self.out / (f"runs/{s}" if s in RUNS else s) /
                                                  "done.json").exists()],
             "commands": commands,
             "config": self.cfg.model_dump(mode="json"),
@@ -246,10 +282,25 @@ class LearningBench:
             "sft": sft,
             "runs": runs,
             "targets": targets({n: r["points"] for n, r in runs.items()}, self.cfg.targets),
+            "sampler_fidelity": fidelity_summary(read_json(self.out / "fidelity" / "done.json")),
         }
         write_json(json_path, report)
         plot(json_path.with_suffix(".png"), report)
         return report
+
+
+def fidelity_summary(done: dict | None) -> dict | None:
+    """Per length: the streams' tokens, mean D_sampler per configuration, and how much the INT8 sink + recent
+    protection lowers KV4's (the KV4-RL paper: 7.0x)."""
+    if done is None:
+        return None
+    out = {"sft_sha256": done["sft_sha256"], "paper_ratio": 7.0, "lengths": {}}
+    for length, res in done["lengths"].items():
+        out["lengths"][length] = {"stream_tokens": res["stream_tokens"], "prefixes": res["configs"]["kv8"]["prefixes"],
+                                  "mean_kl": {k: v["mean_kl"] for k, v in res["configs"].items()},
+                                  "ratio_unprotected_over_protected": res["ratio_unprotected_over_protected"],
+                                  "seconds": res.get("seconds")}
+    return out
 
 
 def parameter_count(model_path: str | Path) -> int:
@@ -358,7 +409,9 @@ async def main_async(args: argparse.Namespace, cfg: LearningConfig, command: str
     commands = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     try:
         for stage in stages:
-            await (bench.sft() if stage == "sft" else bench.rl(stage))
+            if stage == "fidelity" and not cfg.fidelity.lengths:
+                continue
+            await (bench.sft() if stage == "sft" else bench.fidelity() if stage == "fidelity" else bench.rl(stage))
             bench.report(json_path, commands)
     finally:
         report = bench.report(json_path, commands)

@@ -239,6 +239,35 @@ def text_episodes(path: str | Path = DATA, n: int | None = None) -> list[dict]:
     return eps
 
 
+def chained_episodes(episodes: list[dict], renderer, *, n: int, min_tokens: int) -> list[dict]:
+    """``n`` long episodes, each recorded episodes played back to back until its game text alone (first message,
+    observations, their chat framing) reaches ``min_tokens``: the sampled stream, commands included, is at least
+    that long. The next game's opening text arrives as the observation after the previous game's last command.
+    Chain ``i`` starts at episode ``i`` (cycling), so chains differ."""
+    if not episodes:
+        raise ValueError("chained_episodes: no recorded episodes with text")
+    frame = len(renderer.assistant_header()) + len(renderer.after_assistant(closed=True))
+    out = []
+    for i in range(n):
+        j = i
+        first = episodes[j % len(episodes)]["text"]["first"]
+        tokens = len(renderer.first_message(first)) + len(renderer.assistant_header())
+        turns: list[list] = []
+        while True:
+            for cmd, obs in episodes[j % len(episodes)]["text"]["turns"]:
+                turns.append([cmd, obs])
+                if obs is not None:
+                    tokens += len(renderer.user_message(obs)) + frame
+            if tokens >= min_tokens:
+                break
+            j += 1
+            nxt = episodes[j % len(episodes)]["text"]["first"]
+            turns[-1][1] = nxt  # the game ended: the next one opens as an observation
+            tokens += len(renderer.user_message(nxt)) + frame
+        out.append({"text": {"first": first, "turns": turns}, "games": j - i + 1, "text_tokens": tokens})
+    return out
+
+
 def engine_check(model_path: str, fq_model, renderer, episodes: list[dict], device, *, max_new_tokens: int,
                  state_dict: dict | None = None, seed: int = 0) -> dict:
     """The engine's own logprobs (``bf16`` and ``kv4rl`` KV, 16 sink + 128 recent) against the
@@ -270,7 +299,11 @@ def engine_check(model_path: str, fq_model, renderer, episodes: list[dict], devi
 
 
 def run(model_path: str, device, *, episodes: int = 24, max_new_tokens: int = 24, seed: int = 0,
-        checkpoint: str | None = None, check_episodes: int = 2, progress=None, log=print) -> dict:
+        checkpoint: str | None = None, check_episodes: int = 2, progress=None, log=print,
+        min_tokens: int | None = None, system_prompt: str | None = None) -> dict:
+    """``min_tokens``: streams of at least that many tokens, recorded games played back to back
+    (``chained_episodes``); ``check_episodes`` 0 skips the engine check; ``system_prompt``: the one the model
+    was trained with (default: the TextWorld environment's)."""
     from transformers import AutoTokenizer
 
     from envs.rollout.chat import ChatRenderer
@@ -285,10 +318,12 @@ def run(model_path: str, device, *, episodes: int = 24, max_new_tokens: int = 24
         if state is None:
             raise FileNotFoundError(f"no checkpoint in {checkpoint} (expected a 'latest' pointer: harness.checkpoint)")
         state_dict = state["trainer"]["model"]
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), SYSTEM_PROMPT)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), system_prompt or SYSTEM_PROMPT)
     fq_model = load_fakequant_model(model_path, device, state_dict=state_dict)
-    eps = text_episodes(n=episodes)
-    eng = Engine(model_path, kv_dtype="bf16", device=device, kv_slots=1 << 18, max_streams=max(8, episodes))
+    eps = chained_episodes(text_episodes(), renderer, n=episodes, min_tokens=min_tokens) if min_tokens \
+        else text_episodes(n=episodes)
+    slots = max(1 << 18, episodes * ((min_tokens or 0) + 64 * max_new_tokens) * 2)
+    eng = Engine(model_path, kv_dtype="bf16", device=device, kv_slots=slots, max_streams=max(8, episodes))
     if state_dict is not None:
         eng.update_weights(state_dict)
     streams = sample_streams(eng, renderer, eps, max_new_tokens=max_new_tokens, seed=seed)
@@ -313,13 +348,15 @@ def run(model_path: str, device, *, episodes: int = 24, max_new_tokens: int = 24
     # multi-turn episodes (several extends: prompt, then observation + last command token), shortest first
     multi = sorted((e for e in text_episodes() if len(e["text"]["turns"]) >= 3), key=lambda e: len(e["text"]["turns"]))
     check = engine_check(model_path, fq_model, renderer, (multi or eps)[:check_episodes], device,
-                         max_new_tokens=max_new_tokens, state_dict=state_dict, seed=seed)
+                         max_new_tokens=max_new_tokens, state_dict=state_dict, seed=seed) if check_episodes else None
     lengths = [len(s.token_ids) for s in streams]
-    log(f"D_sampler over {rows['kv8']['prefixes']} prefixes: " + ", ".join(
-        f"{k} {v['mean_kl']:.2e}" for k, v in rows.items()) + f"; unprotected/protected {ratio:.2f}x; engine check "
-        f"max |dlogprob| bf16 {check['bf16']['max_abs_diff']:.2e}, kv4rl {check['kv4rl']['max_abs_diff']:.2e}")
-    return dict(model_path=model_path, checkpoint=checkpoint, episodes=len(streams),
-                stream_tokens=dict(mean=statistics.fmean(lengths), max=max(lengths)),
+    log(f"D_sampler over {rows['kv8']['prefixes']} prefixes of streams of {min(lengths)}-{max(lengths)} tokens: "
+        + ", ".join(f"{k} {v['mean_kl']:.2e}" for k, v in rows.items()) + f"; unprotected/protected {ratio:.2f}x"
+        + (f"; engine check max |dlogprob| bf16 {check['bf16']['max_abs_diff']:.2e}, kv4rl "
+           f"{check['kv4rl']['max_abs_diff']:.2e}" if check else ""))
+    return dict(model_path=model_path, checkpoint=checkpoint, episodes=len(streams), min_tokens=min_tokens,
+                games_per_stream=[e.get("games", 1) for e in eps],
+                stream_tokens=dict(mean=statistics.fmean(lengths), max=max(lengths), min=min(lengths)),
                 sampled_tokens=sum(g for s in streams for g, _ in s.turns), max_new_tokens=max_new_tokens,
                 configs=rows, ratio_unprotected_over_protected=ratio, paper_ratio=7.0, engine_check=check)
 

@@ -26,7 +26,8 @@ def tiny_args(out, games, *stage):
             "--orchestrator.episode.max_new_tokens", "4", "--trainer.micro_batch_records", "1",
             "--run.steps", "2", "--evaluation.every", "1",
             "--sft.steps", "2", "--sft.episodes", "4", "--sft.episodes_per_step", "2", "--sft.check_every", "1",
-            "--sft.check_games", "2", "--sft.micro_batch_records", "1", "--sft.probe_episodes", "2"]
+            "--sft.check_games", "2", "--sft.micro_batch_records", "1", "--sft.probe_episodes", "2",
+            "--fidelity.lengths", "[300]", "--fidelity.episodes", "2", "--fidelity.max_new_tokens", "4"]
     args, overrides = parse_args(argv)
     return args, load_config(args.config, overrides, schema=LearningConfig)
 
@@ -67,7 +68,7 @@ def test_a_second_call_skips_every_finished_stage(bench_state):
     stamps = {p: p.stat().st_mtime_ns for p in done}
     args, cfg = tiny_args(out, games)
     report = asyncio.run(main_async(args, cfg, "second call"))
-    assert len(done) == 4 and {p: p.stat().st_mtime_ns for p in done} == stamps
+    assert len(done) == len(STAGES) and {p: p.stat().st_mtime_ns for p in done} == stamps
     assert report["runs"] == first["runs"] and report["checkpoints"] == first["checkpoints"]
     assert [c["command"] for c in report["commands"]] == ["first call", "second call"]
 
@@ -105,3 +106,14 @@ def test_a_machine_without_the_checkpoint_does_sft_again_and_records_its_hash(be
     # on the CPU, SFT again gives the same bytes (a GPU's may differ: the report would say so)
     assert ck["sft_sha256"] == first["checkpoints"]["sft_sha256"] and ck["same_sft_checkpoint"]
     assert [p["step"] for p in report["runs"]["full_context"]["points"]] == [0, 1, 2]
+
+
+def test_sampler_fidelity_at_length_of_the_sft_checkpoint(bench_state):
+    _, _, report = bench_state
+    fid = report["sampler_fidelity"]
+    assert fid["sft_sha256"] == report["checkpoints"]["sft_sha256"]
+    at = fid["lengths"]["300"]
+    assert at["stream_tokens"]["min"] >= 300  # recorded games chained until the stream is that long
+    assert set(at["mean_kl"]) >= {"kv8", "kv4_unprotected", "kv4_sink16_recent128"}
+    assert all(v >= -1e-6 for v in at["mean_kl"].values()) and at["prefixes"] > 0  # KL, up to fp32 rounding
+    assert at["mean_kl"]["kv4_unprotected"] > at["mean_kl"]["kv8"]  # 4-bit everywhere loses more than 8-bit

@@ -156,3 +156,23 @@ def test_fakequant_regions_follow_the_engine_rule():
     assert full[10].nonzero().flatten().tolist() == [8, 9, 10]
     assert int8[10].nonzero().flatten().tolist() == [0, 6, 7]
     assert int4[10].nonzero().flatten().tolist() == [1, 2, 3, 4, 5]
+
+
+def test_chained_episodes_play_recorded_games_back_to_back(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from bench.sampler_fidelity import chained_episodes, text_episodes
+    from envs.rollout.chat import ChatRenderer
+    from envs.textworld.env import SYSTEM_PROMPT
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_path), SYSTEM_PROMPT)
+    eps = text_episodes()
+    chains = chained_episodes(eps, renderer, n=3, min_tokens=4000)
+    for i, c in enumerate(chains):
+        assert c["text_tokens"] >= 4000 and c["games"] > 1
+        assert c["text"]["first"] == eps[i]["text"]["first"]  # chain i opens with game i
+        turns = c["text"]["turns"]
+        assert turns[-1][1] is None and all(obs is not None for _, obs in turns[:-1])  # one end, the chain's
+        # the first game's last command is answered by the second game's opening text
+        k = len(eps[i]["text"]["turns"])
+        assert turns[k - 1] == [eps[i]["text"]["turns"][-1][0], eps[i + 1]["text"]["first"]]

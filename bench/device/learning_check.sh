@@ -1,7 +1,7 @@
 #!/bin/bash
 # One-command H200 run of the learning bench (issue 24), from the repository root:
 #   bash bench/device/learning_check.sh textworld [STAGE ...]   # STAGE: all (default), sft, kv_streams, reprefill,
-#   bash bench/device/learning_check.sh alfworld [STAGE ...]    # full_context, report (bench/learning.py)
+#   bash bench/device/learning_check.sh alfworld [STAGE ...]    # full_context, fidelity, report (bench/learning.py)
 # Needs .devenv (bash bench/device/env_bundle.sh here; carry .devenv): TextWorld, ALFWorld, pydantic, transformers
 # 5.12.1 as wheels plus the ALFWorld archive (~38 MB), installed into /tmp/envsite once per machine. No SGLang:
 # its bundle (52 MB) and these do not fit one call's 64 MiB, so rollouts run on the built-in engine.
