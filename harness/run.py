@@ -137,6 +137,11 @@ def step_metrics(step: int, groups: list[Group], train: dict, timing: dict, orch
         "peak_live_kv_tokens": max(x["peak_live_tokens"] for x in s),
         "mean_live_kv_tokens": sum(x["mean_live_tokens"] for x in s) / len(s),
         "compactions": sum(x["compactions"] for x in s), "pick_fallbacks": sum(x["pick_fallbacks"] for x in s),
+        # where the step's episodes spent their time, summed over episodes (they overlap: episode-seconds, not
+        # wall): waiting on the engine, on tools (environment steps but grading), on grading
+        "episode_generate_s": sum(x.get("generate_s", 0.0) for x in s),
+        "episode_tool_s": sum(x.get("env_s", 0.0) - x.get("grade_s", 0.0) for x in s),
+        "episode_grade_s": sum(x.get("grade_s", 0.0) for x in s),
         "lag_histogram": lags, "max_lag": max(int(k) for k in lags),
         "stale_groups_dropped": orch.stale_groups, "stale_rollouts_dropped": orch.stale_rollouts,
         "tokens_per_s": gen / max(timing["rollout_s"] + timing["train_s"], 1e-9),

@@ -257,6 +257,8 @@ def test_three_step_run_per_strategy(strategy, execution, tmp_path):
     assert sum(r["compactions"] for r in rows) > 0
     assert reprefilled == 0 if execution == "kv_streams" else reprefilled > 0
     assert (tmp_path / f"{strategy}-{execution}" / "metrics.png").exists()
+    # the episodes' time split: engine and game steps measured, TextWorld grades nothing apart
+    assert all(r["episode_generate_s"] > 0 and r["episode_tool_s"] > 0 and r["episode_grade_s"] == 0 for r in rows)
 
 
 def test_no_trained_sample_is_staler_than_async_level(tmp_path):

@@ -177,6 +177,7 @@ def test_submitting_nothing_earns_nothing(taskset):
     env.close()
     assert result.done and result.reward == 0.0 and not result.info["won"]
     assert result.info["f2p_fraction"] == 0.0 and result.info["p2p_fraction"] == 1.0
+    assert result.info["grade_s"] > 0  # the hidden tests ran (the agent loop sums it as grading time)
 
 
 def test_fixing_the_bug_but_breaking_another_test_earns_only_the_shaped_reward(built, repos):
@@ -250,6 +251,8 @@ def test_random_tiny_model_plays_until_the_turn_cap(strategy, taskset, repos, ti
     print(f"\n[swe loop] {strategy}: {time.monotonic() - start:.1f}s {episode.stats.as_dict()}")
     assert episode.finish_reason == "max_turns" and episode.stats.turns == 4 and episode.reward == 0.0
     assert episode.stats.compactions >= (0 if strategy == "full_context" else 1)
+    assert episode.stats.generate_s > 0 and episode.stats.env_s > 0  # time on the engine, on the tools
+    assert episode.stats.grade_s == 0.0  # never submitted: nothing graded
     assert len(episode.records) == 1
     assert not list((repos.scratch_dir).iterdir())  # the episode's checkout is gone
 

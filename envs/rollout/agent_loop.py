@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -52,6 +53,11 @@ class EpisodeStats:
     compactions: int = 0
     summary_tokens: int = 0
     pick_fallbacks: int = 0
+    # wall seconds this episode spent waiting on the engine, on the environment (its tools), and of that on
+    # grading (an environment reports it as a step's ``info["grade_s"]``, e.g. SWE's hidden tests at submit)
+    generate_s: float = 0.0
+    env_s: float = 0.0
+    grade_s: float = 0.0
 
     @property
     def mean_live_tokens(self) -> float:
@@ -131,7 +137,9 @@ class StreamConversation:
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=self.sampling.temperature,
                                 top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                                 stop_token_ids=tuple(self.renderer.eos_ids), seed=seed)
+        t0 = time.perf_counter()
         gen = await self.client.generate(self.sid, params)
+        self.stats.generate_s += time.perf_counter() - t0
         self.stats.tokens_generated += len(gen.token_ids)
         live = self.ledger.num_live
         self.stats.live_samples.append(live)
@@ -189,7 +197,11 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
     conv = StreamConversation(client, renderer, sampling, stats)
     strategy = make_strategy(compaction)
     async def call(fn, *args):
-        return await asyncio.to_thread(fn, *args) if config.env_in_thread else fn(*args)
+        t0 = time.perf_counter()
+        try:
+            return await asyncio.to_thread(fn, *args) if config.env_in_thread else fn(*args)
+        finally:
+            stats.env_s += time.perf_counter() - t0
 
     observation = await call(env.reset, task)
     await conv.open(renderer.first_message(observation))
@@ -201,6 +213,7 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
                                               else min(bound, config.max_new_tokens))
         action = renderer.action_text(tokens)
         result = await call(env.step, action)
+        stats.grade_s += float(result.info.get("grade_s", 0.0))
         reward += result.reward
         stats.turns = turn + 1
         if result.done:

@@ -13,6 +13,7 @@ import json
 import posixpath
 import random
 import shlex
+import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -127,10 +128,12 @@ class SweEnv:
     def _submit(self) -> StepResult:
         self.done = True
         patch = self.current_patch()
+        t0 = time.perf_counter()
         grade: Grade = evaluate(self.instance, patch, self.workspaces, timeout_s=self.config.test_timeout_s)
+        grade_s = time.perf_counter() - t0
         c = self.config
         reward = c.reward_resolved if grade.resolved else c.reward_unresolved + c.shaped_weight * grade.f2p_fraction
-        info = {"tool": "submit", "won": grade.resolved, **grade.summary(), "patch": patch}
+        info = {"tool": "submit", "won": grade.resolved, **grade.summary(), "patch": patch, "grade_s": grade_s}
         verdict = "resolved" if grade.resolved else "not resolved"
         return StepResult(f"Submitted. The tests ran: the issue is {verdict}.", reward, True, info)
 
