@@ -180,6 +180,21 @@ def test_submitting_nothing_earns_nothing(taskset):
     assert result.info["grade_s"] > 0  # the hidden tests ran (the agent loop sums it as grading time)
 
 
+@pytest.mark.parametrize("autosubmit", [True, False])
+def test_an_episode_cut_by_its_cap_is_graded_on_its_diff(built, repos, autosubmit):
+    taskset = SweTaskSet(by_library(built[1], "parse")[:1], repos, config=SweEnvConfig(submit_at_turn_cap=autosubmit))
+    env = taskset.make_env()
+    env.reset(taskset.tasks("all")[0])
+    fix = env.step(env.expert_action())  # the gold patch applied, never submitted
+    result = env.at_turn_cap()
+    env.close()
+    assert fix.info["exit_code"] == 0 and not fix.done
+    if autosubmit:  # SWE-agent's autosubmission: the diff at the cap is graded
+        assert result.done and result.reward == 1.0 and result.info["resolved"] and result.info["grade_s"] > 0
+    else:
+        assert result is None
+
+
 def test_fixing_the_bug_but_breaking_another_test_earns_only_the_shaped_reward(built, repos):
     config = SweEnvConfig(reward_resolved=1.0, reward_unresolved=-0.25, shaped_weight=0.5)
     taskset = SweTaskSet(by_library(built[1], "parse")[:1], repos, config=config)
@@ -251,8 +266,35 @@ def test_random_tiny_model_plays_until_the_turn_cap(strategy, taskset, repos, ti
     print(f"\n[swe loop] {strategy}: {time.monotonic() - start:.1f}s {episode.stats.as_dict()}")
     assert episode.finish_reason == "max_turns" and episode.stats.turns == 4 and episode.reward == 0.0
     assert episode.stats.compactions >= (0 if strategy == "full_context" else 1)
-    assert episode.stats.generate_s > 0 and episode.stats.env_s > 0  # time on the engine, on the tools
-    assert episode.stats.grade_s == 0.0  # never submitted: nothing graded
+    assert episode.stats.generate_s > 0 and episode.stats.env_s > episode.stats.grade_s > 0  # engine, tools
+    # and the grading of the diff left at the turn cap (autosubmission): a random model resolves nothing
     assert len(episode.records) == 1
     assert not list((repos.scratch_dir).iterdir())  # the episode's checkout is gone
 
+
+
+def test_swe_e2e_trains_and_reports_the_time_split(built, tmp_path):
+    """bench.swe_e2e (issue 24's SWE run) at CPU size: one GRPO step of 2 episodes with Sliding Window +
+    KV-streams + kv4rl, graded at the turn cap, and the report's time split."""
+    from bench.swe_e2e import main as swe_e2e
+    from envs.swe.instance import write_instances
+
+    data = tmp_path / "data"
+    data.mkdir()
+    write_instances(data / "instances.jsonl", built[1])
+    (data / "repos").symlink_to(built[0] / "repos")
+    out = tmp_path / "run"
+    rc = swe_e2e([
+        "--config", "configs/swe/gpu_small.toml", "--data", str(data), "--out-dir", str(out),
+        "--inference.device", "cpu", "--model.tiny.num_layers", "1", "--model.tiny.hidden_size", "32",
+        "--model.tiny.intermediate_size", "64", "--model.tiny.num_heads", "2", "--inference.kv_slots", "16384",
+        "--orchestrator.group_size", "2", "--orchestrator.groups_per_step", "1", "--orchestrator.episode.max_turns",
+        "3", "--orchestrator.episode.max_new_tokens", "8", "--compaction.window_turns", "2", "--run.steps", "1",
+        "--run.checkpoint_every", "1000"])
+    assert rc == 0
+    rep = json.loads((out / "swe_e2e.json").read_text())
+    (step,) = rep["steps"]
+    assert step["turns"] == 3 and step["compactions"] > 0 and step["tokens_reprefilled"] == 0
+    assert step["episode_generate_s"] > 0 and step["episode_tool_s"] > 0 and step["episode_grade_s"] > 0
+    assert abs(sum(rep["episode_time_share"].values()) - 1) < 1e-9 and rep["kv_dtype"] == "kv4rl"
+    assert step["train_s"] > 0 and rep["mean_reward"] == 0.0  # graded at the cap; a random model fixes nothing

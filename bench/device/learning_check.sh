@@ -27,23 +27,15 @@ case $ENV in
 esac
 OUT=${OUT:-bench/results/check}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
-if [ ! -f /tmp/envsite/.installed ]; then
-  [ -d .devenv/whl ] || { echo "environments missing: bash bench/device/env_bundle.sh, then carry .devenv"; exit 1; }
-  ${PYTHON:-python3} -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/envsite .devenv/whl/*.whl \
-    && touch /tmp/envsite/.installed || exit 1
-fi
+source bench/device/envsite.sh || exit 1
 if [ "$ENV" = alfworld ] && [ ! -d /tmp/alfworld_data/json_2.1.1 ]; then
   mkdir -p /tmp/alfworld_data && tar -xJf .devenv/alfworld-json_2.1.1-solvable.tar.xz -C /tmp/alfworld_data || exit 1
-fi
-if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then
-  tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch /tmp/.jit_restored && echo "JIT cache restored"
 fi
 STATE=/tmp/learning/$ENV
 if [ ! -d "$STATE" ] && [ -f ".devlearn/learning_${ENV}_state.tar.xz" ]; then
   mkdir -p "$STATE" && tar -xJf ".devlearn/learning_${ENV}_state.tar.xz" -C "$STATE" && echo "state restored"
 fi
-export PYTHONPATH=/tmp/envsite:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
-  ALFWORLD_DATA=/tmp/alfworld_data KVSTREAMS_CACHE=/tmp/kvstreams_cache \
+export ALFWORLD_DATA=/tmp/alfworld_data KVSTREAMS_CACHE=/tmp/kvstreams_cache \
   LEARNING_DEVICE_COMMAND="bash bench/device/learning_check.sh $ENV $*"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 JSON="$OUT/learning_${ENV}_h200.json"

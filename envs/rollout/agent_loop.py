@@ -237,6 +237,13 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
             stats.compactions += 1
             stats.summary_tokens += c.summary_tokens
             stats.pick_fallbacks += int(c.pick_fallback)
+    cap = getattr(env, "at_turn_cap", None)  # optional: what an episode cut by a cap still gets (SWE: graded)
+    if finish != "done" and cap is not None:
+        result = await call(cap)
+        if result is not None:
+            stats.grade_s += float(result.info.get("grade_s", 0.0))
+            reward += result.reward
+            won = bool(result.info.get("won", result.reward > 0))
     env.close()
     meta = dict(task_id=task.task_id, reward=reward, won=won, strategy=compaction.strategy,
                 execution=compaction.execution, stats=stats.as_dict())

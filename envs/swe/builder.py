@@ -267,7 +267,8 @@ def build(config: BuildConfig, out_dir: str | Path, *, cache_dir: str | Path | N
           limits: Limits | None = None, on_kept=None, on_tried=None) -> tuple[list[SweInstance], list[LibraryReport]]:
     """Build every configured library into ``out_dir/repos``; returns the instances and a report
     per library (the caller writes the JSONL)."""
-    out_dir, cache = Path(out_dir), Path(cache_dir) if cache_dir else default_cache_dir()
+    # absolute: git runs with --git-dir from the library's source tree, where a relative path means nothing
+    out_dir, cache = Path(out_dir).resolve(), Path(cache_dir) if cache_dir else default_cache_dir()
     limits = limits or Limits(timeout_s=config.suite_timeout_s)
     unknown = [n for n in config.libraries if n not in LIBRARIES]
     if unknown:

@@ -40,6 +40,8 @@ class SweEnvConfig(BaseModel):
     reward_unresolved: float = 0.0
     shaped_weight: float = Field(0.0, ge=0, description="unresolved reward = reward_unresolved + shaped_weight * "
                                                         "(fraction of FAIL_TO_PASS tests passing); 0 = binary")
+    submit_at_turn_cap: bool = Field(True, description="an episode cut by its turn or token cap submits its current "
+                                     "diff and is graded (SWE-agent's autosubmission); off: it earns nothing")
 
 
 def swe_compaction(strategy: str = "sliding_window", **overrides) -> CompactionConfig:
@@ -124,6 +126,12 @@ class SweEnv:
         r = self.harness.run(f"git add -A && git diff --cached --binary --no-color --no-ext-diff "
                              f"--src-prefix=a/ --dst-prefix=b/ {base}", max_output_chars=None)
         return r.output if r.exit_code == 0 else ""
+
+    def at_turn_cap(self) -> StepResult | None:
+        """The agent loop's hook for an episode cut by its cap: submit what is there (``submit_at_turn_cap``)."""
+        if self.session is None or self.done or not self.config.submit_at_turn_cap:
+            return None
+        return self._submit()
 
     def _submit(self) -> StepResult:
         self.done = True

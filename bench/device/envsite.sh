@@ -1,0 +1,12 @@
+# Source from the repository root on the GPU device: installs the carried environment wheels (.devenv, built here
+# by bench/device/env_bundle.sh: pydantic, transformers 5.12.1, TextWorld, ALFWorld, ...) into /tmp/envsite once
+# per machine, restores a carried Triton JIT cache (.devcache/jit_cache.tar.xz), and exports the paths.
+if [ ! -f /tmp/envsite/.installed ]; then
+  [ -d .devenv/whl ] || { echo "environments missing: bash bench/device/env_bundle.sh, then carry .devenv"; return 1; }
+  ${PYTHON:-python3} -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/envsite .devenv/whl/*.whl \
+    && touch /tmp/envsite/.installed || return 1
+fi
+if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then
+  tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch /tmp/.jit_restored && echo "JIT cache restored"
+fi
+export PYTHONPATH=/tmp/envsite:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
