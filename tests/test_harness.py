@@ -346,6 +346,11 @@ def test_shipped_configs_validate(path):
         assert cfg.compaction.strategy == "sliding_window" and cfg.inference.kv_dtype == "kv4rl"
         assert cfg.environment.name == path.removeprefix("demo_").removesuffix(".toml")
         return
+    if path == "swe/gpu_small.toml":  # bench.swe_e2e's: a harness config, the pipeline's GPU check
+        cfg = load_config(os.path.join(ROOT, "configs", path))
+        assert (cfg.compaction.strategy, cfg.compaction.execution, cfg.inference.kv_dtype) == (
+            "sliding_window", "kv_streams", "kv4rl")
+        return
     if path.endswith("gpu_small.toml"):  # bench.learning's: the RL sections plus sft / targets
         from bench.learning import LearningConfig
 
