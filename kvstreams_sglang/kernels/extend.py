@@ -162,8 +162,8 @@ class ExtendTile(NamedTuple):
     """Launch shape of ``_extend_kernel``: ``block_r`` (token, query head) rows and ``block_n`` prefix keys per
     program, ``num_warps``, and ``words``: INT4 tiles unpacked word-wide as in decode (inline PTX on the GPU, the
     same arithmetic), else byte by byte."""
-    block_r: int = 64
-    block_n: int = 64
+    block_r: int
+    block_n: int
     num_warps: int = 4
     words: bool = True
 
