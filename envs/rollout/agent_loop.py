@@ -25,7 +25,7 @@ from trainer_masks import StreamLedger
 from .chat import ChatRenderer
 from .client import EngineClient
 from .compaction import Compaction, CompactionConfig, EpisodeView, Exchange, Span, make_strategy
-from .protocol import Environment, Task, answer_budget
+from .protocol import Environment, Task, answer_budget, turn_cap_hook
 
 
 class EpisodeConfig(BaseModel):
@@ -237,7 +237,7 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
             stats.compactions += 1
             stats.summary_tokens += c.summary_tokens
             stats.pick_fallbacks += int(c.pick_fallback)
-    cap = getattr(env, "at_turn_cap", None)  # optional: what an episode cut by a cap still gets (SWE: graded)
+    cap = turn_cap_hook(env)
     if finish != "done" and cap is not None:
         result = await call(cap)
         if result is not None:

@@ -9,6 +9,7 @@ tests. An environment may also bound the length of the next assistant message
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -51,6 +52,13 @@ def answer_budget(env: Environment) -> int | None:
     if n is not None and n < 1:
         raise ValueError(f"{type(env).__name__}.max_new_tokens() must be >= 1 or None, got {n}")
     return n
+
+
+def turn_cap_hook(env: Environment) -> Callable[[], StepResult | None] | None:
+    """An environment's optional ``at_turn_cap() -> StepResult | None``: what an episode cut by its turn or token
+    cap still gets (SWE: its diff submitted and graded, SWE-agent's autosubmission). None: nothing."""
+    hook = getattr(env, "at_turn_cap", None)
+    return hook if callable(hook) else None
 
 
 @runtime_checkable
