@@ -150,7 +150,6 @@ class LearningBench:
                                                                            if done else ""))
         t0 = time.perf_counter()
         torch.manual_seed(self.cfg.run.seed)
-        (self.out / "sft" / "metrics.jsonl").unlink(missing_ok=True)  # an earlier machine's SFT log
         self.out.mkdir(parents=True, exist_ok=True)
         base = prepare_model(self.cfg, self.out)
         e = self.cfg.environment

@@ -21,8 +21,10 @@ The loss: ``-sum(logprob of loss tokens) / loss tokens`` per step, from
 from __future__ import annotations
 
 import asyncio
+import io
 import itertools
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +62,8 @@ class SFTConfig(BaseModel):
     detour: float = Field(0.5, ge=0, lt=1, description="probability that a turn plays a detour, not the expert")
     detours: list[str] = Field(["look", "inventory"], min_length=1, description="harmless commands")
     micro_batch_records: int = Field(4, ge=1)
+    micro_batch_tokens: int | None = Field(None, ge=1, description="also caps a forward's packed tokens: records "
+                                           "are packed up to micro_batch_records and this many tokens")
     stop_train_win_rate: float | None = Field(
         None, gt=0, le=1, description="stop early once the greedy policy wins this share of check_games train games "
         "(checked every check_every steps): RL then starts from the same competence whatever step a seed's SFT "
@@ -156,51 +160,88 @@ async def expert_records(taskset: TaskSet, renderer: ChatRenderer, compaction: C
     return list(await asyncio.gather(*(one(i) for i in range(config.episodes))))
 
 
-def expert_nll(trainer: Trainer, records: list[StreamRecord], *, micro_batch: int = 4,
-               backward: bool = False) -> float:
-    """Mean negative logprob of the records' loss tokens (the expert's commands) under the
-    trainer's model; with ``backward`` the gradient of that mean is accumulated."""
-    total = sum(sum(r.loss_mask) for r in records)
+def micro_batches(records: list[StreamRecord], max_records: int,
+                  max_tokens: int | None = None) -> list[list[StreamRecord]]:
+    """``records`` in order, packed greedily into forwards of at most ``max_records`` records and (when given)
+    ``max_tokens`` tokens; a record longer than ``max_tokens`` goes alone. Packing by tokens is what keeps a
+    re-prefilled episode (a short record per compaction) from costing a forward per handful of windows."""
+    out: list[list[StreamRecord]] = []
+    tokens = 0
+    for r in records:
+        if not out or len(out[-1]) >= max_records or (max_tokens is not None and tokens + len(r) > max_tokens):
+            out.append([])
+            tokens = 0
+        out[-1].append(r)
+        tokens += len(r)
+    return out
+
+
+def expert_nll(trainer: Trainer, parts: list[list[StreamRecord]], *, micro_batch: int = 4,
+               micro_batch_tokens: int | None = None, backward: bool = False) -> float:
+    """Mean over ``parts`` (the renderings) of each part's mean negative logprob of its loss tokens (the
+    expert's commands) under the trainer's model; with ``backward`` the gradient of that mean is accumulated.
+    Every rendering weighs the same whatever its share of the commands."""
+    parts = [p for p in parts if p]
     nll = 0.0
-    for start in range(0, len(records), micro_batch):
-        with torch.enable_grad() if backward else torch.no_grad():
-            scores = score_streams(trainer.model, records[start:start + micro_batch], impl=trainer.config.impl)
-            loss = -sum(s.logprobs[s.loss_mask].sum() for s in scores) / max(total, 1)
-        if backward:
-            loss.backward()
-        nll += float(loss.detach())
+    for part in parts:
+        total = sum(sum(r.loss_mask) for r in part) * len(parts)
+        for chunk in micro_batches(part, micro_batch, micro_batch_tokens):
+            with torch.enable_grad() if backward else torch.no_grad():
+                scores = score_streams(trainer.model, chunk, impl=trainer.config.impl)
+                loss = -sum(s.logprobs[s.loss_mask].sum() for s in scores) / max(total, 1)
+            if backward:
+                loss.backward()
+            nll += float(loss.detach())
     return nll
 
 
-def sft_step(trainer: Trainer, records: list[StreamRecord], *, micro_batch: int = 4) -> dict[str, float]:
-    """One optimizer step of cross-entropy on ``records``' loss tokens."""
+def sft_step(trainer: Trainer, parts: list[list[StreamRecord]], *, micro_batch: int = 4,
+             micro_batch_tokens: int | None = None) -> dict[str, float]:
+    """One optimizer step of cross-entropy on the loss tokens of ``parts`` (a record list per rendering)."""
     trainer.model.train()
     trainer.optimizer.zero_grad(set_to_none=True)
-    nll = expert_nll(trainer, records, micro_batch=micro_batch, backward=True)
+    nll = expert_nll(trainer, parts, micro_batch=micro_batch, micro_batch_tokens=micro_batch_tokens, backward=True)
     grad_norm = torch.nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.config.grad_clip)
     trainer.optimizer.step()
+    records = [r for part in parts for r in part]
     return {"nll": nll, "loss_tokens": float(sum(sum(r.loss_mask) for r in records)),
+            "tokens": float(sum(len(r) for r in records)),
             "grad_norm": float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)}
 
 
-def batches(renderings: list[list[list[StreamRecord]]], size: int, steps: int, *,
-            seed: int = 0) -> list[list[StreamRecord]]:
-    """``steps`` batches, each the records of ``size`` episodes from every rendering (shuffled epochs over each
-    rendering's episodes). Episodes, not records: a re-prefilled episode is one record per compaction, and
-    sampling records would fill a batch with its windows and starve the renderings of one record per episode."""
+def batches(renderings: list[list[list[StreamRecord]]], size: int, steps: int, *, seed: int = 0,
+            length: Callable[[StreamRecord], int] = len) -> list[list[list[StreamRecord]]]:
+    """``steps`` batches, each a record list per rendering: the records of ``size`` episodes of that rendering
+    (shuffled epochs over its episodes), then thinned to the tokens of the step's smallest part.
+
+    Episodes, not records: a re-prefilled episode is one record per compaction, and sampling records would fill
+    a batch with its windows and starve the renderings of one record per episode. Thinned: those windows hold
+    ~10x the tokens of the same episode as one KV stream (each re-computes the kept turns), so a part keeps a
+    random subset of its records (in order) within the smallest part's tokens -- every rendering costs the same
+    compute per step and (``expert_nll``) weighs the same in the loss."""
     rng = random.Random(seed)
     orders: list[list[int]] = [[] for _ in renderings]
     out = []
     for _ in range(steps):
-        batch = []
+        parts = []
         for episodes, order in zip(renderings, orders, strict=True):
             while len(order) < size:
                 epoch = list(range(len(episodes)))
                 rng.shuffle(epoch)
                 order.extend(epoch)
-            batch += [r for i in order[:size] for r in episodes[i]]
+            parts.append([r for i in order[:size] for r in episodes[i]])
             del order[:size]
-        out.append(batch)
+        budget = min(sum(map(length, part)) for part in parts)
+        for j, part in enumerate(parts):
+            if sum(map(length, part)) > budget:
+                keep, used, shuffled = set(), 0, list(range(len(part)))
+                rng.shuffle(shuffled)
+                for i in shuffled:
+                    if used + length(part[i]) <= budget:
+                        keep.add(i)
+                        used += length(part[i])
+                parts[j] = [r for i, r in enumerate(part) if i in keep]
+        out.append(parts)
     return out
 
 
@@ -230,6 +271,19 @@ class WarmStart:
     stop_train_win_rate: float | None  # the last early-stop check's train win rate (None: never checked)
 
 
+def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig]) -> str:
+    """What an SFT's expert episodes and batches depend on: a saved state with another key is not resumed."""
+    import hashlib
+    import json
+
+    # not the step cap: a longer run continues a shorter one
+    what = {"sft": sft.model_dump(mode="json", exclude={"steps"}),
+            "renderings": [c.model_dump(mode="json") for c in renderings],
+            "environment": cfg.environment.model_dump(mode="json"), "seed": cfg.run.seed,
+            "episode": cfg.orchestrator.episode.model_dump(mode="json"), "base": str(base_path)}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
 async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskSet, renderer: ChatRenderer,
                      device: torch.device, out: Path, *, console=None,
                      compactions: list[CompactionConfig] | None = None) -> WarmStart:
@@ -241,41 +295,71 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
 
     ``compactions``: render ``sft.episodes`` (and the probe's) under each of these instead (the same games), for one
     checkpoint that several runs start from: a model that only ever saw KV-streams contexts (kept turns computed
-    while the dropped ones were visible) need not act on re-prefilled ones, and the other way round."""
+    while the dropped ones were visible) need not act on re-prefilled ones, and the other way round.
+
+    Resumable: the expert episodes are kept in ``out/expert_episodes.pt`` and the trainer's state in
+    ``out/checkpoints`` at every check, so a call cut by a time limit continues from its last check (same
+    config, ``sft_key``); anything else starts over."""
     from rich.console import Console
     from rich.progress import Progress
+
+    from . import checkpoint
 
     console = console or Console()
     ep_cfg = episode_config(cfg, temperature=1.0)
     renderings = compactions or [cfg.compaction]
-    with Progress(transient=True, console=console) as progress:
-        bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
-        episodes, probe = [], []  # episodes: per rendering, per episode, its records
-        for compaction in renderings:
-            episodes.append(await expert_records(taskset, renderer, compaction, ep_cfg, sft,
-                                                 split=cfg.environment.train_split, seed=cfg.run.seed,
-                                                 on_episode=lambda: progress.advance(bar)))
-            probe += [r for ep in await expert_records(taskset, renderer, compaction, ep_cfg,
-                                                       sft.model_copy(update={"episodes": sft.probe_episodes}),
-                                                       split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
-                                                       on_episode=lambda: progress.advance(bar)) for r in ep]
+    key = sft_key(cfg, sft, base_path, renderings)
+    out.mkdir(parents=True, exist_ok=True)
+    cache, ckpt_dir = out / "expert_episodes.pt", out / "checkpoints"
+    cached = torch.load(cache, weights_only=False) if cache.exists() else None
+    if cached is not None and cached.get("key") == key:
+        episodes, probe = cached["episodes"], cached["probe"]
+        console.print(f"expert episodes from {cache}")
+    else:
+        with Progress(transient=True, console=console) as progress:
+            bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
+            episodes, probe = [], []  # episodes: per rendering, per episode, its records; probe: per rendering
+            for compaction in renderings:
+                episodes.append(await expert_records(taskset, renderer, compaction, ep_cfg, sft,
+                                                     split=cfg.environment.train_split, seed=cfg.run.seed,
+                                                     on_episode=lambda: progress.advance(bar)))
+                probe.append([r for ep in await expert_records(
+                    taskset, renderer, compaction, ep_cfg, sft.model_copy(update={"episodes": sft.probe_episodes}),
+                    split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
+                    on_episode=lambda: progress.advance(bar)) for r in ep])
+        buf = io.BytesIO()
+        torch.save({"key": key, "episodes": episodes, "probe": probe}, buf)
+        checkpoint.atomic_write_bytes(cache, buf.getvalue())
     records = [r for rendering in episodes for ep in rendering for r in ep]
     compacted = sum(1 for r in records if r.evictions)
     command_tokens = sum(sum(r.loss_mask) for r in records)
     console.print(f"{len(records)} expert episode records ({compacted} compacted), {command_tokens} command tokens")
     trainer = Trainer(base_path, TrainerConfig(lr=sft.lr, micro_batch_records=sft.micro_batch_records,
                                                impl=cfg.trainer.impl, grad_clip=cfg.trainer.grad_clip), device)
+    pack = dict(micro_batch=sft.micro_batch_records, micro_batch_tokens=sft.micro_batch_tokens)
     log = MetricsLog(out / "metrics.jsonl")
-    nll_before = expert_nll(trainer, probe, micro_batch=sft.micro_batch_records)
+    state = checkpoint.load_latest(ckpt_dir) if checkpoint.has_checkpoint(ckpt_dir) else None
+    if state is not None and state.get("key") == key:
+        trainer.load_checkpoint_state(state["trainer"])
+        checkpoint.set_rng_state(state["rng"])
+        steps, check, nll_before = state["step"], state["check"], state["nll_before"]
+        log.truncate_after(steps - 1)
+        console.print(f"SFT resumed after step {steps} (greedy train wins {check:.0%})")
+    else:
+        if ckpt_dir.exists():
+            shutil.rmtree(ckpt_dir)
+        log.path.unlink(missing_ok=True)
+        steps, check = 0, None
+        nll_before = expert_nll(trainer, probe, **pack)
     train_tasks = taskset.tasks(cfg.environment.train_split)[:sft.check_games]
     checker = None  # the engine that plays the train games for the early stop
-    steps, check = 0, None
+    stop = check is not None and sft.stop_train_win_rate is not None and check >= sft.stop_train_win_rate
     with Progress(console=console) as progress:
-        bar = progress.add_task("SFT steps", total=sft.steps)
-        for step, batch in enumerate(batches(episodes, sft.episodes_per_step, sft.steps, seed=cfg.run.seed)):
-            row = {"step": step, **sft_step(trainer, batch, micro_batch=sft.micro_batch_records)}
+        bar = progress.add_task("SFT steps", total=sft.steps, completed=steps)
+        todo = batches(episodes, sft.episodes_per_step, sft.steps, seed=cfg.run.seed)[steps:]
+        for step, batch in enumerate(todo if not stop else [], start=steps):
+            row = {"step": step, **sft_step(trainer, batch, **pack)}
             steps = step + 1
-            stop = False
             if sft.stop_train_win_rate is not None and steps % sft.check_every == 0:
                 checker = checker or make_engine(cfg, base_path, device)
                 checker.update_weights(trainer.engine_weights())
@@ -286,13 +370,17 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
                 if not console.is_terminal:  # a log file sees no live bar: one line per check instead
                     console.print(f"SFT step {steps}: nll {row['nll']:.3f}, greedy train wins {check:.0%}")
             log.log(row)
+            if "train_win_rate" in row:
+                checkpoint.save(ckpt_dir, steps, {"trainer": trainer.checkpoint_state(), "key": key,
+                                                  "check": check, "nll_before": nll_before}, keep=2)
             progress.update(bar, advance=1, description=f"SFT steps (nll {row['nll']:.3f})")
             if stop:
-                console.print(f"SFT stops after {steps} steps: greedy policy wins {check:.0%} of "
-                              f"{len(train_tasks)} train games")
                 break
+    if stop:
+        console.print(f"SFT stops after {steps} steps: greedy policy wins {check:.0%} of "
+                      f"{len(train_tasks)} train games")
     del checker
-    nll_after = expert_nll(trainer, probe, micro_batch=sft.micro_batch_records)
+    nll_after = expert_nll(trainer, probe, **pack)
     if steps:
         log.plot(out / "metrics.png", keys=["nll", "grad_norm"])
     model_path = str(save_model(trainer, base_path, out / "model"))

@@ -85,9 +85,30 @@ def test_sft_batches_take_whole_episodes_from_every_rendering():
 
     streams = [episode(f"s{i}", 1) for i in range(3)]  # KV-streams: one record per episode
     reprefill = [episode(f"r{i}", 5) for i in range(4)]  # re-prefill: a record per compaction
-    out = batches([streams, reprefill], size=2, steps=6, seed=0)
-    for batch in out:  # 2 episodes of each rendering (an epoch boundary may repeat one)
-        assert sum(r.startswith("s") for r in batch) == 2 and sum(r.endswith(".0") for r in batch) == 4
-        assert sum(r.startswith("r") for r in batch) == 2 * 5  # an episode's records travel together
-    # shuffled epochs: over 2 steps every re-prefilled episode (4) is seen once
-    assert {r.split(".")[0] for b in out[:2] for r in b if r.startswith("r")} == {f"r{i}" for i in range(4)}
+    out = batches([streams, reprefill], size=2, steps=6, seed=0, length=lambda r: 1)
+    for parts in out:  # 2 episodes of each rendering (an epoch boundary may repeat one)
+        assert len(parts) == 2 and all(r.startswith("s") for r in parts[0]) and len(parts[0]) == 2
+        assert all(r.startswith("r") for r in parts[1])
+    # unthinned (a large budget): an episode's records travel together
+    whole = batches([[episode(f"s{i}", 5) for i in range(3)], reprefill], size=2, steps=2, seed=0, length=lambda r: 1)
+    assert all(len(part) == 10 for parts in whole for part in parts)
+    assert {r.split(".")[0] for parts in whole for r in parts[1]} == {f"r{i}" for i in range(4)}  # shuffled epochs
+    # thinned: the re-prefilled part keeps a random subset (in order) within the KV-streams part's 2 tokens
+    kept = [parts[1] for parts in out]
+    assert all(len(part) == 2 for part in kept)
+    for part in kept:  # in order: an episode's kept windows in stream order
+        for tag in {r.split(".")[0] for r in part}:
+            js = [int(r.split(".")[1]) for r in part if r.startswith(tag + ".")]
+            assert js == sorted(js)
+    assert len({r for part in kept for r in part}) > 4  # different records over the steps
+    # by tokens: a long KV-streams record (7) buys the re-prefilled part up to 7 tokens of its 2-token windows
+    long = batches([[["s"]] * 3, reprefill], size=1, steps=3, seed=0, length=lambda r: 7 if r == "s" else 2)
+    assert all(len(parts[1]) == 3 for parts in long)
+
+
+def test_sft_micro_batches_pack_records_by_count_and_tokens():
+    from harness.sft import micro_batches
+
+    records = ["a" * n for n in (5, 5, 5, 20, 3, 3)]
+    assert [len(b) for b in micro_batches(records, 4)] == [4, 2]
+    assert [[len(r) for r in b] for b in micro_batches(records, 4, max_tokens=10)] == [[5, 5], [5], [20], [3, 3]]

@@ -96,6 +96,8 @@ def test_a_machine_without_the_checkpoint_does_sft_again_and_records_its_hash(be
 
     out, games, first = bench_state
     shutil.rmtree(out / "sft" / "model")
+    shutil.rmtree(out / "sft" / "checkpoints")  # neither travels (learning_check.sh's state tarball)
+    (out / "sft" / "expert_episodes.pt").unlink()
     shutil.rmtree(out / "model")
     shutil.rmtree(out / "runs" / "full_context")
     args, cfg = tiny_args(out, games, "full_context")
@@ -106,6 +108,28 @@ def test_a_machine_without_the_checkpoint_does_sft_again_and_records_its_hash(be
     # on the CPU, SFT again gives the same bytes (a GPU's may differ: the report would say so)
     assert ck["sft_sha256"] == first["checkpoints"]["sft_sha256"] and ck["same_sft_checkpoint"]
     assert [p["step"] for p in report["runs"]["full_context"]["points"]] == [0, 1, 2]
+
+
+def test_a_cut_sft_resumes_from_its_last_check(bench_state, tmp_path):
+    """A call cut inside SFT leaves the expert episodes and the trainer's state at its last check: the next call
+    continues from there (a longer cap continues a shorter run too) and ends on the uninterrupted run's bytes."""
+    import shutil
+
+    _, games, first = bench_state
+    args, cfg = tiny_args(tmp_path, games, "sft")
+    cut = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"steps": 1})})
+    asyncio.run(main_async(args, cut, "cut after one step"))
+    kept = [tmp_path / "sft" / "checkpoints" / "step_000001.pt", tmp_path / "sft" / "expert_episodes.pt"]
+    stamps = [p.stat().st_mtime_ns for p in kept]
+    assert len((tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()) == 1
+    (tmp_path / "sft" / "done.json").unlink()  # as if the call had been cut before the end of SFT
+    shutil.rmtree(tmp_path / "sft" / "model")
+    report = asyncio.run(main_async(args, cfg, "resumed"))
+    rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1]
+    assert [p.stat().st_mtime_ns for p in kept] == stamps  # resumed, not redone
+    assert report["sft"]["steps"] == 2
+    assert report["checkpoints"]["sft_sha256"] == first["checkpoints"]["sft_sha256"]
 
 
 def test_sampler_fidelity_at_length_of_the_sft_checkpoint(bench_state):

@@ -44,6 +44,7 @@ BENCH=(${PYTHON:-python3} -m bench.learning --config "configs/$ENV/gpu_small.tom
 timeout 530 "${BENCH[@]}" --stage "${@:-all}" $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"
 rc=$?
 [ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
-tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights .
+tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights \
+  --exclude=expert_episodes.pt .
 (cd ~ && ls -d .triton/cache 2>/dev/null | xargs -r tar -cJf "$OUT/jit_cache.tar.xz")
 exit $rc
