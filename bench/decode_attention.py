@@ -595,6 +595,64 @@ def host_overhead(batch=32, length=1024, hq=32, hkv=8, d=128, iters=300):
     return rows
 
 
+def extend_layer_overhead(batch=12, prefix=3072, new=180, hq=32, hkv=8, d=128, layers=36, repeats=10, out=None):
+    """Host cost of one extend layer as SGLang's kv4rl backend runs it (``kv4_attention_step``: query prep, the
+    extend kernel, the store), at a long-games prefill step's shape (12 requests x 180 new tokens over 3k prefixes,
+    Qwen3-4B heads), with q/k/v as views of one fused projection like SGLang's. Host time per call from back-to-back
+    calls without a sync (``layers`` calls = one step's attention), each part alone, the GPU time per call, and a
+    torch-profiler count of what one step's ``layers`` calls launch and run on the host."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kvstreams_sglang.kernels import kv4_extend, kv4_quantize_query, kv4_store
+    from kvstreams_sglang.kernels.attend import kv4_attention_step
+
+    device = torch.device("cuda")
+    cache, meta = build_kv4_case([prefix] * batch, hq, hkv, d, 16, 128, device)
+    n = batch * new
+    qkv = torch.randn(n, (hq + 2 * hkv) * d, device=device, dtype=torch.bfloat16)
+    q, k, v = (x.view(n, -1, d) for x in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    qo = torch.arange(batch + 1, device=device, dtype=torch.int32) * new
+    out_slots = torch.randperm(cache.k_codes.shape[0], device=device)[:n]
+    side_slots = torch.full((n,), -1, dtype=torch.int64, device=device)
+    step = dict(mode="extend", qo_indptr=qo, out_slots=out_slots, side_slots=side_slots, kv4=meta, sm_scale=d ** -0.5,
+                use_triton=True, max_new_tokens=new)
+    parts = dict(attention_step=lambda: kv4_attention_step(cache, q, k, v, **step),
+                 quantize_query=lambda: kv4_quantize_query(q),
+                 extend=lambda: kv4_extend(q, k, v, qo, cache, **meta, max_new_tokens=new),
+                 store=lambda: kv4_store(cache, k, v, out_slots, side_slots),
+                 empty_alloc=lambda: torch.empty(n, hq, d, device=device, dtype=torch.bfloat16))
+    rows = {}
+    for name, fn in parts.items():
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(layers * repeats):
+            fn()
+        host = (time.perf_counter() - t0) / (layers * repeats)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / (layers * repeats)
+        rows[name] = dict(host_us=host * 1e6, wall_us=wall * 1e6)
+        print(f"extend layer {name:16s} host {host * 1e6:7.1f} us/call, wall {wall * 1e6:7.1f} us/call", flush=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(layers):
+            parts["attention_step"]()
+        torch.cuda.synchronize()
+    ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    top = [dict(name=e.key, calls=e.count // layers if e.count >= layers else e.count / layers,
+                self_cpu_us_per_layer=e.self_cpu_time_total / layers) for e in ops[:25]]
+    for t in top:
+        print(f"  {t['name'][:60]:60s} {t['calls']:>6} calls/layer {t['self_cpu_us_per_layer']:8.1f} us/layer")
+    result = dict(shape=dict(batch=batch, prefix=prefix, new=new, hq=hq, hkv=hkv, d=d, layers=layers), parts=rows,
+                  profile_top_host_ops=top, command="python -m bench.decode_attention --extend-overhead")
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -602,6 +660,8 @@ def main():
     p.add_argument("--sweep", default=None, help="B,L: time launch configurations on one shape")
     p.add_argument("--no-baselines", action="store_true", help="time KV4 only (no BF16 / FlashInfer)")
     p.add_argument("--overhead", action="store_true", help="host time per KV4 decode call at B=32, L=1k")
+    p.add_argument("--extend-overhead", action="store_true", help="host cost of one extend layer as the SGLang "
+                   "backend runs it, its parts, and a profile of what it launches")
     p.add_argument("--store", action="store_true", help="with --variants: also time the store kernel")
     p.add_argument("--store-only", action="store_true", help="time the store kernels (CUDA, Triton) and the copy")
     p.add_argument("--extend", action="store_true", help="time kv4_extend against FlashInfer's BF16 prefill")
@@ -626,6 +686,10 @@ def main():
         return
     if a.overhead:
         host_overhead()
+        return
+    if a.extend_overhead:
+        extend_layer_overhead(out=a.out or os.path.join(os.environ.get("OUT", "bench/results"),
+                                                        "extend_overhead_h200.json"))
         return
     if a.variants:
         shapes = [tuple(map(int, x.split(","))) for x in a.variants.split(";")]

@@ -110,7 +110,7 @@ def _decode_kernel(
     x_lo = tl.load(q_ptr, mask=hmask[:, None], other=0.0).to(tl.float32)
     x_hi = tl.load(q_ptr + HALF, mask=hmask[:, None], other=0.0).to(tl.float32)
     if ROTATE:
-        x_lo, x_hi = rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF)
+        x_lo, x_hi = rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF, "ieee")
     q_lo, q_hi, q_scale = int8_codes(x_lo, x_hi)  # [BLOCK_H, HALF] int8 (0 in padding rows), fp16 scale
     sq = q_scale.to(tl.float32)
 

@@ -43,11 +43,11 @@ def rotate_halves(x_lo, x_hi, Hmat, HALF: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF: tl.constexpr, PREC: tl.constexpr = "ieee"):
+def rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF: tl.constexpr, PREC: tl.constexpr):
     """``rotate_halves`` for the Sylvester Hadamard matrix, whose blocks are ``H00 = H01 = H10 = -H11``:
     ``[x_lo + x_hi, x_lo - x_hi] @ H00``, one 64x64 block instead of four (a quarter of the matrix
     loads and registers, half the FMAs; the decode kernel rotates its own query rows with it). ``PREC``
-    as in ``rotate_halves``."""
+    as in ``rotate_halves``, no default: Triton's compiler (not its interpreter) rejects a string default."""
     e = tl.arange(0, HALF)
     d = tl.arange(0, HALF)
     h00 = tl.load(Hmat + e[:, None] * (2 * HALF) + d[None, :])
@@ -83,13 +83,16 @@ def int8_codes(x_lo, x_hi):
 
 
 @triton.jit
-def _query_kernel(Q, stride_qr, Hmat, Codes, Scale, R, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
+def _query_kernel(Q, stride_qt, stride_qh, H, Hmat, Codes, Scale, R, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                   ROTATE: tl.constexpr):
+    # row r is head r % H of token r // H: a [T, H, D] view is read in place (SGLang's q is a slice of one
+    # projection, whose token stride is not H * D: flattening it would copy every layer)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
     d = tl.arange(0, HALF)
-    x_lo = tl.load(Q + r[:, None] * stride_qr + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    x_hi = tl.load(Q + r[:, None] * stride_qr + HALF + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    src = (r // H).to(tl.int64) * stride_qt + (r % H) * stride_qh
+    x_lo = tl.load(Q + src[:, None] + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+    x_hi = tl.load(Q + src[:, None] + HALF + d[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
     if ROTATE:  # one 64x64 block (Sylvester) per program: the four-block form made this kernel L2 bound; on the
         # tensor cores in three tf32 passes (~fp32), as the store's rotation (an IEEE one made the store 1.8x slower)
         x_lo, x_hi = rotate_halves_sylvester(x_lo, x_hi, Hmat, HALF, "tf32x3")
@@ -104,13 +107,17 @@ def kv4_quantize_query(q: torch.Tensor, *, rotate: bool = True, block_r: int = 6
     prepares tokens x heads rows per layer (64k for 2k new tokens of a 32-head model): 64 rows a program load
     the rotation block a quarter as often as 16 did (H200 rollouts, 16 rows and four blocks: 0.14 ms per layer)."""
     d = q.shape[-1]
-    rows = q.reshape(-1, d)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    codes = torch.empty(rows.shape, dtype=torch.int8, device=q.device)
-    scale = torch.empty(rows.shape[0], dtype=torch.float16, device=q.device)
-    if rows.shape[0]:
-        _query_kernel[(triton.cdiv(rows.shape[0], block_r),)](
-            rows, rows.stride(0), device_hadamard(d, q.device), codes, scale, rows.shape[0],
+    if q.dim() == 3 and q.stride(-1) == 1:  # [T, H, D]: read in place, whatever the token stride
+        src, stride_t, stride_h, heads = q, q.stride(0), q.stride(1), q.shape[1]
+    else:
+        src = q.reshape(-1, d)
+        src = src if src.stride(-1) == 1 else src.contiguous()
+        stride_t, stride_h, heads = src.stride(0), 0, 1
+    rows = q.numel() // d
+    codes = torch.empty(rows, d, dtype=torch.int8, device=q.device)
+    scale = torch.empty(rows, dtype=torch.float16, device=q.device)
+    if rows:
+        _query_kernel[(triton.cdiv(rows, block_r),)](
+            src, stride_t, stride_h, heads, device_hadamard(d, q.device), codes, scale, rows,
             HALF=d // 2, BLOCK_R=block_r, ROTATE=rotate)
     return Int8Tensor(codes.view(q.shape), scale.view(q.shape[:-1]))
