@@ -83,4 +83,3 @@ def test_extend_tile_parses_and_rejects_bad_text():
     assert ExtendTile.parse(ExtendTile(64, 32, 4, False).name()) == ExtendTile(64, 32, 4, False)
     with pytest.raises(ValueError, match="block_r,block_n,num_warps"):
         ExtendTile.parse("128,64,words")
-

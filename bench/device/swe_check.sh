@@ -22,8 +22,10 @@ done
 ldconfig 2>/dev/null
 missing=$(for t in bwrap git patch setpriv unshare; do command -v $t >/dev/null || echo -n "$t "; done)
 [ -z "$missing" ] || { echo "SWE on this device: blocked: missing $missing(not in the image, not carried)"; exit 3; }
-probe=$(bwrap --ro-bind / / --dev /dev --proc /proc --unshare-all true 2>&1) || {
-  echo "SWE on this device: blocked: bubblewrap cannot create its sandbox here: $probe"; exit 3; }
+# the jail exactly as the environment builds it (as root: setpriv drops to nobody, which needs the capability
+# bounding set to be writable; 2026-12-03's device container refused it: "setpriv: apply bounding set")
+probe=$(${PYTHON:-python3} -c "from envs.swe.sandbox import require_bwrap; require_bwrap()" 2>&1) || {
+  echo "SWE on this device: blocked: $(echo "$probe" | tail -1)"; exit 3; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 540 ${PYTHON:-python3} -m bench.swe_e2e --config configs/swe/gpu_small.toml --data .devswe/data \
   --out-dir /tmp/swe_e2e --json "$OUT/swe_e2e_h200.json" $SWE_ARGS 2>&1 | tee "$OUT/swe_e2e.log"
