@@ -71,8 +71,13 @@ def test_tmp_is_private_and_emptied_after_each_command(tmp_path):
 
 @needs_bwrap
 def test_root_inside_has_no_capabilities(tmp_path):
-    r = session(tmp_path).run("grep CapEff /proc/self/status; mount -o remount,rw / 2>&1; echo x > /etc/kv_probe")
+    r = session(tmp_path).run("grep -E 'Cap(Eff|Prm|Amb)|NoNewPrivs' /proc/self/status; mount -o remount,rw / 2>&1; "
+                              "echo x > /etc/kv_probe")
     assert "CapEff:\t0000000000000000" in r.output and r.exit_code != 0
+    # nothing to regain either: no permitted or ambient capabilities, and exec cannot grant any (setuid bits and
+    # file capabilities are ignored under no_new_privs)
+    assert "CapPrm:\t0000000000000000" in r.output and "CapAmb:\t0000000000000000" in r.output
+    assert "NoNewPrivs:\t1" in r.output
     assert not Path("/etc/kv_probe").exists()
 
 

@@ -93,11 +93,14 @@ def jail_user() -> JailUser:
     # As root, bwrap's --unshare-user would map nobody inside to uid 0 outside: the jail would
     # still own every root-owned file. So bwrap mounts as root (it alone can reach a Python
     # under /root), then the command drops to the host's nobody (setpriv: no groups, no
-    # capabilities) and enters a user namespace of its own (unshare) for RLIMIT_NPROC.
+    # capabilities) and enters a user namespace of its own (unshare) for RLIMIT_NPROC. No
+    # bounding-set drop: bwrap sets no_new_privs, so with no capabilities left nothing the jail
+    # execs can gain one (setuid bits and file capabilities are ignored), and a container whose
+    # root may not change the bounding set (the H200 device's: "setpriv: apply bounding set:
+    # Operation not permitted") would refuse the whole jail.
     return JailUser(("--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"),
                     ("setpriv", f"--reuid={JAIL_UID}", f"--regid={JAIL_GID}", "--clear-groups", "--inh-caps=-all",
-                     "--bounding-set=-all", "unshare", "--user", f"--map-user={JAIL_UID}", f"--map-group={JAIL_GID}",
-                     "--"))
+                     "unshare", "--user", f"--map-user={JAIL_UID}", f"--map-group={JAIL_GID}", "--"))
 
 
 def hand_over(tree: Path) -> None:
