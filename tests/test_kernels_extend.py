@@ -83,3 +83,17 @@ def test_extend_tile_parses_and_rejects_bad_text():
     assert ExtendTile.parse(ExtendTile(64, 32, 4, False).name()) == ExtendTile(64, 32, 4, False)
     with pytest.raises(ValueError, match="block_r,block_n,num_warps"):
         ExtendTile.parse("128,64,words")
+
+
+def test_extend_writes_into_a_given_output_buffer(device):
+    """``out=``: the result lands in the caller's buffer (a view of SGLang's preallocated attention output), the
+    same values as a fresh one; a buffer of the wrong shape or dtype is refused."""
+    cache, meta, _ = filled_cache([120, 40], hkv=2, seed=5, device=device)
+    qo_indptr = torch.tensor([0, 7, 19], dtype=torch.int32, device=device)
+    q, k_new, v_new = (torch.randn(19, h, 128, device=device) for h in (8, 2, 2))
+    fresh = kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, splits=2)
+    flat = torch.full((19, 8 * 128), float("nan"), device=device)
+    got = kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, splits=2, out=flat.view(19, 8, 128))
+    assert got.data_ptr() == flat.data_ptr() and torch.equal(got, fresh)
+    with pytest.raises(ValueError, match="kv4_extend: out"):
+        kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, out=torch.empty(19, 8, 64, device=device))

@@ -25,14 +25,15 @@ def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v
                        side_slots: torch.Tensor, kv4: dict, sm_scale: float, use_triton: bool,
                        decode_plan: DecodePlan | None = None,
                        decode_workspace: KV4DecodeWorkspace | None = None,
-                       max_new_tokens: int | None = None) -> torch.Tensor:
+                       max_new_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``q [N, Hq, D]``, ``k/v [N, Hkv, D]`` of the step's new tokens -> ``[N, Hq, D]``.
 
     ``kv4``: the region lists (``kv4.regions.region_lists``); ``decode_plan``: the kernels'
     plan of the step (``KV4DecodeWorkspace.plan``), needed for a kernel decode, run in the
     caller's ``decode_workspace`` (a throwaway one if None). ``max_new_tokens``: the step's longest
     run of new tokens, known on the host (extend): without it the kernel's grid needs a device sync,
-    once per layer."""
+    once per layer. ``out``: extend writes its result there when it fits (``kv4_extend``'s ``out``), e.g. SGLang's
+    preallocated attention output."""
     if not use_triton:
         if mode == "decode":
             store_reference(cache, k, v, out_slots, side_slots)
@@ -43,6 +44,7 @@ def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v
     if mode == "decode":
         kv4_store(cache, k, v, out_slots, side_slots)
         return kv4_decode(q, cache, decode_plan, workspace=decode_workspace, sm_scale=sm_scale)
-    out = kv4_extend(q, k, v, qo_indptr, cache, **kv4, sm_scale=sm_scale, max_new_tokens=max_new_tokens)
+    result = kv4_extend(q, k, v, qo_indptr, cache, **kv4, sm_scale=sm_scale, max_new_tokens=max_new_tokens,
+                        out=out if out is not None and out.dtype == q.dtype and out.stride(-1) == 1 else None)
     kv4_store(cache, k, v, out_slots, side_slots)
-    return out
+    return result

@@ -228,13 +228,14 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
                cache: KV4LayerCache, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                side_indptr: torch.Tensor, side_indices: torch.Tensor, *, max_new_tokens: int | None = None,
                sm_scale: float | None = None, rotate: bool = True, tile: ExtendTile | None = None,
-               splits: int | None = None) -> torch.Tensor:
+               splits: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``q [N, Hq, D]``, ``k_new, v_new [N, Hkv, D]`` (post-RoPE, unrotated) for the new
     tokens of ``B`` requests laid out by ``qo_indptr [B+1]``; the prefix index lists are
     CSR like in decode. Returns ``out [N, Hq, D]`` in q's dtype (fp32 for fp64).
     ``splits``: chunks of the INT4 prefix run by separate programs and merged (None: ``extend_splits``);
     ``tile``: the launch shape (None: ``TILE_OVERRIDE`` if set, else ``GRID_TILE`` or, when the grid needs
-    split-K, ``SPLIT_TILE``)."""
+    split-K, ``SPLIT_TILE``). ``out``: an ``[N, Hq, D]`` buffer in the compute dtype (unit stride in D) to write into
+    and return, e.g. a view of SGLang's attention output (``forward_batch._attn_output``), which then needs no copy."""
     n, hq, d = q.shape
     hkv = cache.num_kv_heads
     if hq % hkv or d != cache.head_dim or k_new.shape != (n, hkv, d) or v_new.shape != k_new.shape:
@@ -246,7 +247,11 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
     qc, kc, vc = (_kernel_operand(x, compute) for x in (q, k_new, v_new))
     q8 = kv4_quantize_query(q, rotate=rotate)
     codes, qscale = q8.codes.contiguous(), q8.scale.contiguous()
-    out = torch.empty(n, hq, d, dtype=compute, device=q.device)
+    if out is None:
+        out = torch.empty(n, hq, d, dtype=compute, device=q.device)
+    elif out.shape != (n, hq, d) or out.dtype != compute or out.stride(-1) != 1:
+        raise ValueError(f"kv4_extend: out {tuple(out.shape)} {out.dtype} (stride {out.stride()}) is not an "
+                         f"[{n}, {hq}, {d}] {compute} buffer with unit stride in D")
     if n == 0:
         return out
     if max_new_tokens is None:

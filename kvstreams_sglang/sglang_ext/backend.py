@@ -222,7 +222,7 @@ class KV4RLAttnBackend(AttentionBackend):
 
     # ---- per layer ----
 
-    def _forward(self, q, k, v, layer, save_kv_cache):
+    def _forward(self, q, k, v, layer, save_kv_cache, forward_batch=None):
         if not save_kv_cache:
             raise NotImplementedError("kv4rl writes the KV it attends to: save_kv_cache=False is not supported")
         if layer.qk_head_dim != layer.v_head_dim or layer.is_cross_attention:
@@ -236,14 +236,20 @@ class KV4RLAttnBackend(AttentionBackend):
         v_ = v.reshape(n, layer.tp_v_head_num, layer.v_head_dim)
         plan = md.decode_plan
         workspace = self.graph.workspace if plan is not None and plan.graph else self.decode_workspace
+        # extend: write straight into the output SGLang preallocated for this layer (its attention op then skips
+        # its copy), when it is this step's [n, Hq * D] buffer
+        into = getattr(forward_batch, "_attn_output", None) if md.mode == "extend" and self.use_triton else None
+        if into is not None and (into.shape != (n, layer.tp_q_head_num * layer.v_head_dim) or not into.is_contiguous()):
+            into = None
         out = kv4_attention_step(self.pool.layer_cache(layer.layer_id), q_, k_, v_, mode=md.mode,
                                  qo_indptr=md.qo_indptr, out_slots=md.out_slots, side_slots=md.side_slots,
                                  kv4=md.kv4, sm_scale=layer.scaling, use_triton=self.use_triton,
-                                 decode_plan=plan, decode_workspace=workspace, max_new_tokens=md.max_new_tokens)
+                                 decode_plan=plan, decode_workspace=workspace, max_new_tokens=md.max_new_tokens,
+                                 out=None if into is None else into.view(n, layer.tp_q_head_num, layer.v_head_dim))
         return out.reshape(n, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        return self._forward(q, k, v, layer, save_kv_cache)
+        return self._forward(q, k, v, layer, save_kv_cache, forward_batch)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         return self._forward(q, k, v, layer, save_kv_cache)
