@@ -167,8 +167,9 @@ def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
     else:
         flags += ["--mem-fraction-static", str(a.mem_fraction), "--cuda-graph-max-bs-decode",
                   str(a.max_running_requests)]
-        if a.prefill_graph != "default":
-            flags += ["--cuda-graph-backend-prefill", a.prefill_graph]
+        prefill_graph = a.ours_prefill_graph if setup.client != "stock" and a.ours_prefill_graph else a.prefill_graph
+        if prefill_graph != "default":
+            flags += ["--cuda-graph-backend-prefill", prefill_graph]
         env = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
     flags += turn_batching_flags(setup, a.turn_batching, a.turn_batch_max_delay_ms)
     return Server(cfg, a.model, port, log_dir / f"server_{setup.name}.log", flags=flags, env=env)
@@ -564,6 +565,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--prefill-graph", default="default", choices=("default", "breakable", "disabled"),
                    help="every server's --cuda-graph-backend-prefill (default: SGLang's choice, breakable on CUDA: "
                         "each layer's attention runs eagerly between graph segments)")
+    g.add_argument("--ours-prefill-graph", default=None, choices=("default", "breakable", "full", "disabled"),
+                   help="our servers' --cuda-graph-backend-prefill instead of --prefill-graph's (full: whole prefill "
+                        "steps captured, our attention included; stock keeps its own)")
     g.add_argument("--turn-batching", type=float, default=0.0,
                    help="hold prefills back while fewer than RATIO x running requests wait, on every server\n"
                         "(stock: --enable-prefill-delayer --prefill-delayer-queue-min-ratio;\n"
@@ -725,6 +729,7 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
         configs=a.configs, strategies=strategies, mem_fraction_static=a.mem_fraction if a.device != "cpu" else None,
         max_total_tokens=a.max_total_tokens if a.device == "cpu" else None,
         max_running_requests=a.max_running_requests, prefill_graph=a.prefill_graph,
+        ours_prefill_graph=a.ours_prefill_graph,
         turn_batching=a.turn_batching, turn_batch_max_delay_ms=a.turn_batch_max_delay_ms,
         games=a.games if a.games == "recorded" else "long {},{} turns".format(*a.long_turns),
         length_scale=a.length_scale, window=a.window, markovian_turns=a.markovian_turns,

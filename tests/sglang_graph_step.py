@@ -19,6 +19,12 @@ new tokens (random q/k/v per layer) through both:
 
 Between decode steps one request takes a new turn (an eager extend on both copies). Run as a subprocess: on CPU it
 needs ``tests/sglang_cpu_shims`` and ``SGLANG_USE_CPU_ENGINE=1`` (``test_sglang.sglang_env``).
+
+``--prefill``: extend steps instead, as SGLang's "full" prefill graph runner drives them (``PrefillGraphRunner``):
+one capture per token bucket over ``PREFILL_SLOTS`` request slots (a dummy batch: one request holding the bucket,
+the other slots empty); before each replay the real requests in the first slots, the unused ones with ``seq_len``
+0, the bucket's padding tokens at position 0 and slot 0 with garbage q/k/v, and the planning on the slot-padded view
+(``positions`` and ``out_cache_loc`` of the real tokens only); then ``forward_extend`` per layer on the bucket.
 """
 
 from __future__ import annotations
@@ -42,6 +48,10 @@ CAPTURE_BS = (4, 8)  # captured batch sizes (largest first at capture, as SGLang
 REQUESTS = {1: (40, None), 2: (7, None), 3: (130, (20, 50)), 5: (1, None), 6: (75, None)}
 STEPS = [[1, 2, 3, 5, 6], [2, 3, 6], [1, 2, 3, 5], [1, 2, 3, 5, 6], [3], [1, 2, 3, 5, 6]]  # rows decoding
 TURN_BEFORE = {3: (6, 9)}  # before step 3: row 6 appends 9 tokens (an eager extend)
+PREFILL_BUCKETS, PREFILL_SLOTS = (64, 32), 4  # "full" prefill graphs: token buckets (largest first), request slots
+# prefill steps: (row, new tokens) per request; buckets 32 and 64, all four slots used or not, an evicted row (3)
+PREFILL_STEPS = [[(1, 5), (2, 9)], [(3, 20)], [(1, 3), (5, 2), (6, 11), (2, 1)], [(1, 25), (3, 20)], [(6, 30)],
+                 [(2, 40), (5, 24)]]
 
 
 class Copy:
@@ -92,6 +102,30 @@ class Copy:
         for layer, (q, k, v) in zip(self.layers, qkv, strict=True):
             self.backend.forward_extend(q, k, v, layer, fb)
         self.length[row], self.next_pos[row] = start + n, pos0 + n
+
+    def extend_inputs(self, reqs: list[tuple[int, int]]) -> dict:
+        """What SGLang's scheduler prepares for an extend step of several requests: new slots in their rows."""
+        rows, lens, new, positions, slots = [], [], [], [], []
+        for row, n in reqs:
+            start, pos0 = self.length.get(row, 0), self.next_pos.get(row, 0)
+            got = self.alloc(n)
+            self.req_pool.req_to_token[row, start:start + n] = got.to(torch.int32)
+            self.length[row], self.next_pos[row] = start + n, pos0 + n
+            rows.append(row), lens.append(start + n), new.append(n), slots.append(got.cpu())
+            positions.append(torch.arange(pos0, pos0 + n))
+        return dict(req_pool_indices=torch.tensor(rows), seq_lens=torch.tensor(lens), extend_seq_lens=torch.tensor(new),
+                    positions=torch.cat(positions), out_cache_loc=torch.cat(slots))
+
+    def eager_extend(self, inputs: dict, qkv: list) -> list[torch.Tensor]:
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        dev = self.device
+        fb = SimpleNamespace(forward_mode=ForwardMode.EXTEND, batch_size=inputs["req_pool_indices"].numel(),
+                             **{k: v.to(dev) for k, v in inputs.items()}, seq_lens_cpu=inputs["seq_lens"],
+                             extend_seq_lens_cpu=inputs["extend_seq_lens"].tolist())
+        self.backend.init_forward_metadata(fb)
+        return [self.backend.forward_extend(q, k, v, layer, fb) for layer, (q, k, v) in zip(self.layers, qkv,
+                                                                                             strict=True)]
 
     def evict(self, row: int, span: tuple[int, int]) -> None:
         """Compact the row as kv-streams does: drop the tokens at logical positions ``span``, keep the others in
@@ -202,6 +236,114 @@ class GraphRunner:
         return bs, view
 
 
+class PrefillGraphRunner:
+    """The parts of SGLang's "full" ``PrefillCudaGraphRunner`` the backend sees: static buffers over
+    ``PREFILL_SLOTS`` request slots and the largest bucket's tokens, a capture per bucket, a slot-padded view per
+    replay."""
+
+    def __init__(self, copy: Copy, capture: bool):
+        from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+        self.copy, self.capture = copy, capture
+        be, dev, r, t = copy.backend, copy.device, PREFILL_SLOTS, max(PREFILL_BUCKETS)
+        i64 = dict(dtype=torch.int64, device=dev)
+        self.req_pool_indices, self.seq_lens = torch.zeros(r, **i64), torch.zeros(r, **i64)
+        self.extend_seq_lens, self.seq_lens_cpu = torch.zeros(r, **i64), torch.zeros(r, dtype=torch.int64)
+        self.positions, self.out_cache_loc = torch.zeros(t, **i64), torch.zeros(t, **i64)
+        self.qkv = [[torch.zeros(t, h * D, dtype=copy.dtype, device=dev) for h in (HQ, HKV, HKV)]
+                    for _ in range(LAYERS)]
+        self.mode = ForwardMode.EXTEND
+        self.graphs, self.outputs = {}, {}
+        for bucket in PREFILL_BUCKETS:  # capture_prepare: one request holds the bucket, the other slots are empty
+            lens = [bucket] + [0] * (r - 1)
+            self.req_pool_indices.copy_(torch.arange(r))
+            for buf in (self.seq_lens, self.extend_seq_lens, self.seq_lens_cpu):
+                buf.copy_(torch.tensor(lens))
+            self.positions.zero_(), self.out_cache_loc.zero_()
+            be.init_forward_metadata_out_graph(self.view(bucket, self.positions[:bucket],
+                                                         self.out_cache_loc[:bucket]), in_capture=True)
+            if capture:
+                for _ in range(2):
+                    self.run_once(bucket)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.outputs[bucket] = self.run_once(bucket)
+                self.graphs[bucket] = graph
+
+    def view(self, bucket: int, positions, out_cache_loc) -> SimpleNamespace:
+        return SimpleNamespace(forward_mode=self.mode, batch_size=PREFILL_SLOTS, req_pool_indices=self.req_pool_indices,
+                               seq_lens=self.seq_lens, seq_lens_cpu=self.seq_lens_cpu,
+                               extend_seq_lens=self.extend_seq_lens, positions=positions, out_cache_loc=out_cache_loc,
+                               input_ids=torch.zeros(bucket, dtype=torch.int64))
+
+    def run_once(self, bucket: int) -> list[torch.Tensor]:
+        be = self.copy.backend
+        fb = self.view(bucket, self.positions[:bucket], self.out_cache_loc[:bucket])
+        return [be.forward_extend(q[:bucket], k[:bucket], v[:bucket], layer, fb)
+                for layer, (q, k, v) in zip(self.copy.layers, self.qkv, strict=True)]
+
+    def load(self, inputs: dict, qkv: list, garbage: torch.Generator) -> int:
+        """``load_batch``: pad the tokens to a bucket and the requests to the slots (unused slots: row 0, length
+        0), then the backend's out-graph planning on the slot-padded view of the real batch."""
+        raw, bs = inputs["out_cache_loc"].numel(), inputs["req_pool_indices"].numel()
+        bucket = min(b for b in PREFILL_BUCKETS if b >= raw)
+        for buf, src in ((self.req_pool_indices, "req_pool_indices"), (self.seq_lens, "seq_lens"),
+                         (self.seq_lens_cpu, "seq_lens"), (self.extend_seq_lens, "extend_seq_lens")):
+            buf[:bs].copy_(inputs[src])
+            buf[bs:].zero_()
+        for buf, src in ((self.positions, "positions"), (self.out_cache_loc, "out_cache_loc")):
+            buf[:raw].copy_(inputs[src])
+            buf[raw:bucket].zero_()
+        for static, real in zip(self.qkv, qkv, strict=True):
+            for s, x in zip(static, real, strict=True):
+                s[:raw].copy_(x)
+                s[raw:bucket].copy_(torch.randn(bucket - raw, x.shape[1], generator=garbage).to(s))
+        dev = self.copy.device
+        self.copy.backend.init_forward_metadata_out_graph(self.view(bucket, inputs["positions"].to(dev),
+                                                                    inputs["out_cache_loc"].to(dev)))
+        return bucket
+
+
+def prefill_main(out: str, device: torch.device) -> None:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    eager, graph = Copy(device, dtype), Copy(device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    for row, (n, span) in REQUESTS.items():
+        qkv = qkv_for(n, gen, dtype, device)
+        for c in (eager, graph):
+            c.extend(row, qkv)
+            if span is not None:
+                c.evict(row, span)
+    runner = PrefillGraphRunner(graph, capture=device.type == "cuda")
+    res = {"steps": []}
+    garbage = torch.Generator().manual_seed(1)
+    for reqs in PREFILL_STEPS:
+        inputs, same = eager.extend_inputs(reqs), graph.extend_inputs(reqs)
+        assert all(torch.equal(inputs[k], same[k]) for k in inputs)
+        raw = inputs["out_cache_loc"].numel()
+        qkv = qkv_for(raw, gen, dtype, device)
+        ref = eager.eager_extend(inputs, qkv)
+        bucket = runner.load(inputs, qkv, garbage)
+        step = dict(reqs=reqs, bucket=bucket, tokens=raw)
+        if runner.capture:
+            hooks = [o[:raw].clone() for o in runner.run_once(bucket)]  # the same step, launched eagerly
+            runner.graphs[bucket].replay()
+            got = [o[:raw] for o in runner.outputs[bucket]]
+            step["replay_equals_hooks"] = all(torch.equal(a, b) for a, b in zip(got, hooks, strict=True))
+        else:
+            got = [o[:raw] for o in runner.run_once(bucket)]
+        diff = torch.stack([(a.float() - b.float()).abs().max() for a, b in zip(got, ref, strict=True)])
+        step.update(max_diff=float(diff.max()), bitwise=all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)))
+        a, b = eager.cache_state(), graph.cache_state()
+        step["caches_equal"] = all(torch.equal(a[k], b[k]) for k in a)
+        step["unequal"] = [k for k in a if not torch.equal(a[k], b[k])]
+        step["row0_side_untouched"] = graph.row0_side_untouched()
+        res["steps"].append(step)
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
 def qkv_for(n: int, gen: torch.Generator, dtype, device) -> list:
     return [[torch.randn(n, h * D, generator=gen).to(device=device, dtype=dtype) for h in (HQ, HKV, HKV)]
             for _ in range(LAYERS)]
@@ -260,10 +402,10 @@ def main(out: str, device: torch.device) -> None:
         json.dump(res, f)
 
 
-def run(out: Path, device: str, env: dict) -> dict:
+def run(out: Path, device: str, env: dict, *, prefill: bool = False) -> dict:
     """This script in a subprocess (``env``: its environment); returns what it dumped."""
-    proc = subprocess.run([sys.executable, __file__, str(out), "--device", device], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, __file__, str(out), "--device", device, *(["--prefill"] if prefill else [])],
+                          env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(f"graph steps failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return json.loads(Path(out).read_text())
@@ -271,4 +413,4 @@ def run(out: Path, device: str, env: dict) -> dict:
 
 if __name__ == "__main__":
     dev = sys.argv[sys.argv.index("--device") + 1] if "--device" in sys.argv else "cpu"
-    main(sys.argv[1], torch.device(dev))
+    (prefill_main if "--prefill" in sys.argv else main)(sys.argv[1], torch.device(dev))

@@ -291,7 +291,7 @@ cases = {
     "turn_batch_ratio": dict(enable_kv_streams=True, kv_streams_turn_batch_ratio=-1.0),
 }
 cuda_cases = {  # graph modes are checked on the resolved config (device cuda: it resolves on a CPU box too)
-    "prefill_graph": dict(kv4rl=True, cuda_graph_backend_prefill="full"),
+    "prefill_graph": dict(kv4rl=True, cuda_graph_backend_prefill="tc_piecewise"),
     "decode_graph": dict(kv4rl=True, cuda_graph_backend_decode="breakable"),
     "compile": dict(kv4rl=True, enable_torch_compile=True),
     "mixed": dict(kv4rl=True, enable_mixed_chunk=True),
@@ -306,6 +306,8 @@ for device, group in (("cpu", cases), ("cuda", cuda_cases)):
             print(name, "|", e)
 b = KVStreamsServerArgs(model_path=sys.argv[1], device="cuda", kv4rl=True)
 print("graphs", b.cuda_graph_config.decode.backend, "radix off", b.disable_radix_cache)
+f = KVStreamsServerArgs(model_path=sys.argv[1], device="cuda", kv4rl=True, cuda_graph_backend_prefill="full")
+print("prefill graphs", f.cuda_graph_config.prefill.backend)
 a = KVStreamsServerArgs(model_path=sys.argv[1], device="cpu", kv4rl=True, enable_kv_streams=True)
 print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_streaming_session,
       a.disable_overlap_schedule, a.max_running_requests, a.radix_cache_backend, a.schedule_policy)
@@ -320,7 +322,8 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "--enable-hierarchical-cache" in out and "--enable-dp-attention" in out
     assert "--kv-streams-turn-batch-ratio needs --enable-kv-streams" in out and "must be >= 0, got -1.0" in out
     assert "ok kv4rl 1 False True False 256 kvstreams lpm" in out  # overlap scheduling stays on
-    assert "prefill CUDA graph backend must be 'breakable'" in out and "'breakable' decode graph" in out
+    assert "the 'tc_piecewise' prefill CUDA graph backend is not supported" in out and "'breakable' decode graph" in out
+    assert "prefill graphs full" in out  # whole captured prefill steps (PrefillGraphBuffers)
     assert "--enable-torch-compile" in out and "--enable-mixed-chunk" in out and "--prefill-attention-backend" in out
     assert "graphs full radix off True" in out  # --kv4rl keeps decode graphs on; its side cache is per row
 
@@ -336,6 +339,21 @@ def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):
     assert res["fill"] == 1
     assert {s["bs"] > len(s["rows"]) for s in steps} == {True, False}  # padded and exact batches
     assert max(s["lengths"][s["rows"].index(3)] for s in steps if 3 in s["rows"]) > 16 + 4  # an INT4 region
+    for s in steps:
+        assert s["bitwise"] and s["max_diff"] == 0.0, s
+        assert s["caches_equal"] and s["row0_side_untouched"], s
+
+
+def test_graph_prefill_steps_equal_eager_bit_for_bit(tmp_path):
+    """SGLang's "full" prefill graphs (``--cuda-graph-backend-prefill full``): the kv4rl backend's extend planned out
+    of the graph into static buffers (a capture per token bucket over fixed request slots; before each replay the
+    slot-padded view, unused slots empty, the bucket's padding tokens at slot 0) computes every extend step bit for bit
+    as the eager path: several requests, an evicted row, both buckets, all slots used or not; the same KV bytes
+    wherever a real request can read, padding tokens writing only the padding slot and no INT8 side entry."""
+    res = graph_steps.run(tmp_path / "prefill.json", "cpu", sglang_env(), prefill=True)
+    steps = res["steps"]
+    assert {s["bucket"] for s in steps} == {32, 64} and {len(s["reqs"]) for s in steps} >= {1, 4}
+    assert any(s["tokens"] < s["bucket"] for s in steps)  # padding tokens
     for s in steps:
         assert s["bitwise"] and s["max_diff"] == 0.0, s
         assert s["caches_equal"] and s["row0_side_untouched"], s

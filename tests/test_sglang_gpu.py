@@ -4,7 +4,8 @@ Skipped without CUDA or SGLang; ``pytest -k sglang_gpu`` selects these. ``bench/
 them on the H200 (the model comes from ``KVSTREAMS_GPU_MODEL`` when set: the script builds it once).
 
 - ``test_sglang_gpu_graph_steps_match_eager``: the backend alone (``tests/sglang_graph_step.py``), its decode steps
-  captured in CUDA graphs as SGLang's runner captures them and replayed with padded batches, against the eager path.
+  captured in CUDA graphs as SGLang's runner captures them and replayed with padded batches, against the eager path;
+  ``..._prefill_graph_steps_...`` the same for extend steps under "full" prefill graphs.
 - ``test_sglang_gpu_server_...``: a ``launch_server --kv4rl --enable-kv-streams`` server on a small random Qwen3
   (GQA group 4, head_dim 128: the CUDA decode kernel's shapes), three concurrent multi-turn streams with evictions
   between turns and a weight update from disk (flush_cache=False) between two rounds; its log must show every decode
@@ -68,6 +69,20 @@ def test_sglang_gpu_graph_steps_match_eager(graph_steps_result):
         assert s["caches_equal"] and s["row0_side_untouched"], s
         assert s["max_diff"] <= 3e-2 and s["mean_diff"] <= 1e-3, s
     assert {s["bs"] > len(s["rows"]) for s in steps} == {True, False}
+
+
+def test_sglang_gpu_prefill_graph_steps_match_eager(tmp_path):
+    """``--cuda-graph-backend-prefill full``: each extend step replayed from a graph captured per token bucket over
+    fixed request slots equals the same hooks launched eagerly bit for bit, writes the same KV bytes as the eager path
+    wherever a real request can read, never touches row 0's INT8 entries, and matches the eager outputs up to the
+    launch layout (the graph's grid covers a request holding the whole bucket, unsplit; the eager one is sized from
+    the step: fp32 sums in another order)."""
+    res = graph_steps.run(tmp_path / "prefill.json", "cuda", env(), prefill=True)
+    for s in res["steps"]:
+        print({k: s[k] for k in ("reqs", "bucket", "tokens", "max_diff", "bitwise")})
+        assert s["replay_equals_hooks"], s
+        assert s["caches_equal"] and s["row0_side_untouched"], s
+        assert s["max_diff"] <= 3e-2, s
 
 
 # ---- the server ----

@@ -45,10 +45,17 @@ class KV4StepMetadata:
     kv4: dict
     decode_plan: object | None
     max_new_tokens: int | None = None  # extend: the longest request's new tokens, from the host
+    graph: bool = False  # an extend planned into PrefillGraphBuffers: out_slots / side_slots are the static buffers,
+    # as long as the largest captured step (a step's layers take their first num_tokens entries)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.out_slots.numel()
+    def slots_for(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out_slots, side_slots) of a layer call on ``n`` query rows; a plan over other than ``n`` tokens is refused
+        (the store would scatter rows it does not cover)."""
+        if self.graph and n <= self.out_slots.numel():
+            return self.out_slots[:n], self.side_slots[:n]
+        if n != self.out_slots.numel():
+            raise RuntimeError(f"kv4rl: {n} query rows for a step planned over {self.out_slots.numel()} tokens")
+        return self.out_slots, self.side_slots
 
 
 @dataclass
@@ -74,6 +81,58 @@ class GraphBuffers:
         return self.out_slots.numel()
 
 
+@dataclass
+class PrefillGraphBuffers:
+    """What a captured prefill step (SGLang's "full" prefill graphs: one graph per token bucket over a fixed number
+    of request slots) reads besides the layer inputs, at fixed addresses; rewritten in place before every replay.
+    Tokens past the real ones (the bucket's padding) store into the padding slot 0 and keep no INT8 copy; request
+    slots past the real requests have no new token and empty lists."""
+
+    qo_indptr: torch.Tensor  # [slots + 1] int32
+    out_slots: torch.Tensor  # [max_tokens] int64
+    side_slots: torch.Tensor  # [max_tokens] int64 (-1: none)
+    kv_indptr: torch.Tensor  # [slots + 1] int32
+    kv_indices: torch.Tensor  # [slots * row width] int32: a request's INT4 list is at most its row
+    side_indptr: torch.Tensor  # [slots + 1] int32
+    side_indices: torch.Tensor  # [slots * (sink + recent)] int32
+
+    @classmethod
+    def empty(cls, slots: int, max_tokens: int, width: int, side: int, device) -> PrefillGraphBuffers:
+        def i32(n):
+            return torch.zeros(n, dtype=torch.int32, device=device)
+        return cls(i32(slots + 1), torch.zeros(max_tokens, dtype=torch.int64, device=device),
+                   torch.full((max_tokens,), -1, dtype=torch.int64, device=device), i32(slots + 1),
+                   i32(slots * width), i32(slots + 1), i32(slots * side))
+
+    @property
+    def slots(self) -> int:
+        return self.qo_indptr.numel() - 1
+
+    def lists(self) -> dict[str, torch.Tensor]:
+        return dict(kv_indptr=self.kv_indptr, kv_indices=self.kv_indices, side_indptr=self.side_indptr,
+                    side_indices=self.side_indices)
+
+    def write(self, qo: torch.Tensor, out_slots: torch.Tensor, side_slots: torch.Tensor, kv4: dict) -> None:
+        """Copy one step's plan in; the rest of every buffer keeps whatever it held (nothing reads past the lists'
+        ``indptr``), except the token tail: padding tokens store into slot 0 without an INT8 copy."""
+        n = out_slots.numel()
+        if qo.numel() != self.qo_indptr.numel() or n > self.out_slots.numel():
+            raise ValueError(f"kv4rl: a prefill graph step of {qo.numel() - 1} requests / {n} tokens does not fit "
+                             f"the captured {self.slots} request slots / {self.out_slots.numel()} tokens")
+        self.qo_indptr.copy_(qo)
+        self.out_slots[:n].copy_(out_slots)
+        self.out_slots[n:].zero_()
+        self.side_slots[:n].copy_(side_slots)
+        self.side_slots[n:].fill_(-1)
+        for name in ("kv_indptr", "side_indptr"):
+            getattr(self, name).copy_(kv4[name])
+        for name in ("kv_indices", "side_indices"):
+            src, dst = kv4[name], getattr(self, name)
+            if src.numel() > dst.numel():
+                raise ValueError(f"kv4rl: {src.numel()} {name} for a prefill graph buffer of {dst.numel()}")
+            dst[:src.numel()].copy_(src)
+
+
 class KV4RLAttnBackend(AttentionBackend):
     def __init__(self, model_runner):
         super().__init__()
@@ -95,6 +154,10 @@ class KV4RLAttnBackend(AttentionBackend):
             self.decode_workspace = KV4DecodeWorkspace(self.req_to_token.shape[0], self.num_q_heads, pool.head_num,
                                                        pool.head_dim, device=self.device)
         self.graph: GraphBuffers | None = None  # CUDA graphs: set by init_cuda_graph_state
+        self.prefill_graph: PrefillGraphBuffers | None = None  # "full" prefill graphs: set at their first capture
+        prefill = getattr(getattr(getattr(model_runner, "server_args", None), "cuda_graph_config", None), "prefill",
+                          None)
+        self.prefill_graph_tokens = max(prefill.bs) if prefill is not None and prefill.bs else None
 
     # ---- per step, eager ----
 
@@ -116,35 +179,42 @@ class KV4RLAttnBackend(AttentionBackend):
         if fm.name != "EXTEND":
             raise NotImplementedError(f"kv4rl: forward mode {fm.name} is not supported (extend and decode only: no "
                                       "mixed chunks, no speculative decoding, no split prefill)")
-        dev = self.device
-        rows = fb.req_pool_indices.long()
-        seq_lens = fb.seq_lens.long()
-        num_new = fb.extend_seq_lens.long()
-        prefix = seq_lens - num_new
-        qo = torch.zeros(rows.numel() + 1, dtype=torch.int32, device=dev)
-        qo[1:] = torch.cumsum(num_new, 0)
         out_slots = fb.out_cache_loc.long()
-        p_new = fb.positions.long()
-        sink, recent = self.pool.sink, self.pool.recent
-        # every slot remembers the position its token was computed at (rows get compacted)
-        self.pool.slot_positions[out_slots] = p_new.to(torch.int32)
-
-        width, total = self._host_sizes(fb, rows.numel())
+        width, total = self._host_sizes(fb, fb.req_pool_indices.numel())
         # host sizes: the lists and every layer's kernel grid are sized without a device sync
         new_cpu = getattr(fb, "extend_seq_lens_cpu", None)
         max_new = int(max(new_cpu)) if new_cpu else None
+        qo, side_slots, kv4 = self._extend_lists(fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens, fb.positions,
+                                                 out_slots, width, total if new_cpu else None)
+        self.forward_metadata = KV4StepMetadata("extend", qo, out_slots, side_slots, kv4, None, max_new)
+
+    def _extend_lists(self, rows, seq_lens, num_new, positions, out_slots, width: int, total: int | None):
+        """One extend step's plan, shared by the eager and the graph path: the new tokens' logical positions go into
+        ``slot_positions``; each request's prefix (its row minus its ``num_new`` new tokens) is split into the region
+        lists, the new tokens attend to each other in full precision. Requests with no new token (a graph's unused
+        request slots: ``seq_len`` 0) get empty lists. ``total``: a host bound of ``seq_lens.sum()`` (no host sync).
+        Returns (qo_indptr, the new tokens' side slots, the lists)."""
+        dev = self.device
+        rows, seq_lens, num_new, p_new = rows.long(), seq_lens.long(), num_new.long(), positions.long()
+        n = out_slots.numel()
+        prefix = seq_lens - num_new
+        qo = torch.zeros(rows.numel() + 1, dtype=torch.int32, device=dev)
+        qo[1:] = torch.cumsum(num_new, 0)
+        sink, recent = self.pool.sink, self.pool.recent
+        # every slot remembers the position its token was computed at (rows get compacted)
+        self.pool.slot_positions[out_slots] = p_new[:n].to(torch.int32)
         col = torch.arange(width, device=dev)[None]
         slots = self.req_to_token[rows, :width]
-        positions = self.pool.slot_positions[slots.long()].long()
-        first_new = p_new[qo[:-1].long()]
-        end_after = p_new[qo[1:].long() - 1] + 1
-        stream_of = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), num_new,
-                                            output_size=out_slots.numel())
-        side_slots = new_side_slots(rows[stream_of], p_new, end_after[stream_of], sink=sink, recent=recent)
+        kept = self.pool.slot_positions[slots.long()].long()
+        last = max(n - 1, 0)  # a request with no new token indexes its neighbour's (its lists are empty anyway)
+        first_new = p_new[qo[:-1].long().clamp(max=last)]
+        end_after = p_new[(qo[1:].long() - 1).clamp(min=0, max=last)] + 1
+        stream_of = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), num_new, output_size=n)
+        side_slots = new_side_slots(rows[stream_of], p_new[:n], end_after[stream_of], sink=sink, recent=recent)
         # new tokens attend to each other in full precision, the prefix through KV4
-        kv4 = region_lists(rows, slots, positions, col < prefix[:, None], first_new, sink=sink, recent=recent,
-                           capacity=total if new_cpu else None)
-        self.forward_metadata = KV4StepMetadata("extend", qo, out_slots, side_slots, kv4, None, max_new)
+        kv4 = region_lists(rows, slots, kept, col < prefix[:, None], first_new, sink=sink, recent=recent,
+                           capacity=total)
+        return qo, side_slots, kv4
 
     def _decode_lists(self, rows, seq_lens, positions, out_slots, width: int, total: int | None = None):
         """One decode step's plan, shared by the eager and the graph path: the new tokens' logical
@@ -194,11 +264,13 @@ class KV4RLAttnBackend(AttentionBackend):
         rows only): plan the step as ``init_forward_metadata`` does and copy it into the graph
         buffers. Host sizes come from ``seq_lens_cpu``: no device sync."""
         fb, g = forward_batch, self.graph
+        if fb.forward_mode.name == "EXTEND":
+            return self._extend_out_graph(fb, in_capture)
         if g is None:
             raise RuntimeError("kv4rl: init_cuda_graph_state was not called")
         if not fb.forward_mode.is_decode():
-            raise NotImplementedError(f"kv4rl: CUDA graphs capture decode steps only, not {fb.forward_mode.name} "
-                                      "(prefill graphs must be 'breakable': attention runs eagerly)")
+            raise NotImplementedError(f"kv4rl: CUDA graphs capture decode and extend steps, not "
+                                      f"{fb.forward_mode.name}")
         bs = fb.batch_size
         real = 0 if in_capture else fb.out_cache_loc.numel()
         if not real <= bs <= g.max_bs:
@@ -216,6 +288,28 @@ class KV4RLAttnBackend(AttentionBackend):
         self.forward_metadata = KV4StepMetadata("decode", g.qo_indptr[: bs + 1], g.out_slots[:bs],
                                                 g.side_slots[:bs], lists, plan)
 
+    def _extend_out_graph(self, fb, in_capture: bool) -> None:
+        """SGLang's "full" prefill graphs: before a capture (the runner's dummy batch) and before every replay (the
+        slot-padded view: ``batch_size`` request slots, unused ones with ``seq_len`` 0; ``out_cache_loc`` and
+        ``positions`` of the real tokens only), plan the step as ``init_forward_metadata`` does and copy it into
+        ``PrefillGraphBuffers``. The captured layers read only those buffers, and every kernel's grid is fixed by
+        the bucket's token count (a request may hold all of them), so nothing is planned inside the graph."""
+        r = fb.batch_size
+        out_slots = fb.out_cache_loc.long()
+        if self.prefill_graph is None:
+            if not in_capture:
+                raise RuntimeError("kv4rl: a prefill graph replay before any capture")
+            side = self.pool.sink + self.pool.recent
+            self.prefill_graph = PrefillGraphBuffers.empty(r, max(self.prefill_graph_tokens or 0, out_slots.numel()),
+                                                           self.req_to_token.shape[1], side, self.device)
+        width, total = self._host_sizes(fb, r)
+        qo, side_slots, kv4 = self._extend_lists(fb.req_pool_indices[:r], fb.seq_lens[:r], fb.extend_seq_lens[:r],
+                                                 fb.positions, out_slots, width, total)
+        g = self.prefill_graph
+        g.write(qo, out_slots, side_slots, kv4)
+        self.forward_metadata = KV4StepMetadata("extend", g.qo_indptr, g.out_slots, g.side_slots, g.lists(), None,
+                                                None, graph=True)
+
     def init_forward_metadata_in_graph(self, forward_batch):
         """Nothing to record: the captured store and decode launches read the graph buffers that
         ``init_forward_metadata_out_graph`` rewrote in place."""
@@ -229,8 +323,7 @@ class KV4RLAttnBackend(AttentionBackend):
             raise NotImplementedError("kv4rl supports self-attention with equal K/V head dims")
         md = self.forward_metadata
         n = q.shape[0]
-        if n != md.num_tokens:  # the store would scatter rows the plan does not cover
-            raise RuntimeError(f"kv4rl: {n} query rows for a step planned over {md.num_tokens} tokens")
+        out_slots, side_slots = md.slots_for(n)
         q_ = q.reshape(n, layer.tp_q_head_num, layer.qk_head_dim)
         k_ = k.reshape(n, layer.tp_k_head_num, layer.qk_head_dim)
         v_ = v.reshape(n, layer.tp_v_head_num, layer.v_head_dim)
@@ -242,9 +335,11 @@ class KV4RLAttnBackend(AttentionBackend):
         if into is not None and (into.shape != (n, layer.tp_q_head_num * layer.v_head_dim) or not into.is_contiguous()):
             into = None
         out = kv4_attention_step(self.pool.layer_cache(layer.layer_id), q_, k_, v_, mode=md.mode,
-                                 qo_indptr=md.qo_indptr, out_slots=md.out_slots, side_slots=md.side_slots,
+                                 qo_indptr=md.qo_indptr, out_slots=out_slots, side_slots=side_slots,
                                  kv4=md.kv4, sm_scale=layer.scaling, use_triton=self.use_triton,
-                                 decode_plan=plan, decode_workspace=workspace, max_new_tokens=md.max_new_tokens,
+                                 decode_plan=plan, decode_workspace=workspace,
+                                 # a graph's grid covers a request holding every token of the bucket
+                                 max_new_tokens=n if md.graph else md.max_new_tokens,
                                  out=None if into is None else into.view(n, layer.tp_q_head_num, layer.v_head_dim))
         return out.reshape(n, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 

@@ -13,6 +13,9 @@ cannot serve, hybrid SWA / SSM / MLA / DSA, are refused when the cache is built)
 
 CUDA graphs stay SGLang's defaults under ``--kv4rl``: decode steps are captured whole
 ("full"), prefill graphs are "breakable" (attention runs eagerly between captured segments).
+``--cuda-graph-backend-prefill full`` (SGLang: experimental) captures whole prefill steps, attention
+included (one graph per token bucket over fixed request slots; ``backend.PrefillGraphBuffers``): no
+per-layer host work, the prefill step's bottleneck with breakable graphs.
 Graph modes the backend does not implement are refused; graphs turned off by the user or by
 one of SGLang's rules are reported with a warning, since every decode step is then eager.
 """
@@ -136,9 +139,10 @@ class KVStreamsServerArgs(ServerArgs):
         if decode not in (Backend.FULL, Backend.DISABLED):
             raise ServerArgsError(f"--kv4rl captures decode steps as full CUDA graphs; the {decode!r} decode graph "
                                   "backend is not supported (use the default 'full', or 'disabled')")
-        if prefill not in (Backend.BREAKABLE, Backend.DISABLED):
-            raise ServerArgsError(f"--kv4rl runs prefill attention eagerly: the prefill CUDA graph backend must be "
-                                  f"'breakable' (the CUDA default) or 'disabled', not {prefill!r}")
+        if prefill not in (Backend.BREAKABLE, Backend.FULL, Backend.DISABLED):
+            raise ServerArgsError(f"--kv4rl's prefill attention runs eagerly between captured segments ('breakable', "
+                                  f"the CUDA default) or inside whole captured steps ('full'); the {prefill!r} "
+                                  "prefill CUDA graph backend is not supported")
         for phase, backend in (("decode", decode), ("prefill", prefill)):
             if backend == Backend.DISABLED:
                 logger.warning("--kv4rl: %s CUDA graphs are disabled (by a flag or one of SGLang's rules): every "
