@@ -305,16 +305,43 @@ class PrefillGraphRunner:
         return bucket
 
 
-def prefill_main(out: str, device: torch.device) -> None:
+def prefilled_copies(device: torch.device, gen: torch.Generator) -> tuple[Copy, Copy]:
+    """Two copies of the same state: ``REQUESTS`` prefilled through the eager extend, the evictions applied."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     eager, graph = Copy(device, dtype), Copy(device, dtype)
-    gen = torch.Generator().manual_seed(0)
     for row, (n, span) in REQUESTS.items():
         qkv = qkv_for(n, gen, dtype, device)
         for c in (eager, graph):
             c.extend(row, qkv)
             if span is not None:
                 c.evict(row, span)
+    return eager, graph
+
+
+def compare(step: dict, runner, key: int, n: int, ref: list, eager: Copy, graph: Copy) -> None:
+    """The graph path's outputs (first ``n`` rows; replayed from the captured graph of ``key`` when the runner
+    captures, then also launched eagerly) against the eager path's ``ref``, and the two copies' caches, into
+    ``step``."""
+    if runner.capture:
+        hooks = [o[:n].clone() for o in runner.run_once(key)]  # the same step, launched eagerly
+        runner.graphs[key].replay()
+        got = [o[:n] for o in runner.outputs[key]]
+        step["replay_equals_hooks"] = all(torch.equal(a, b) for a, b in zip(got, hooks, strict=True))
+    else:
+        got = [o[:n] for o in runner.run_once(key)]
+    diff = torch.stack([(a.float() - b.float()).abs() for a, b in zip(got, ref, strict=True)])
+    step.update(max_diff=float(diff.max()), mean_diff=float(diff.mean()),
+                bitwise=all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)),
+                ref_abs_mean=float(torch.stack([r.float().abs() for r in ref]).mean()))
+    a, b = eager.cache_state(), graph.cache_state()
+    step["caches_equal"] = all(torch.equal(a[k], b[k]) for k in a)
+    step["unequal"] = [k for k in a if not torch.equal(a[k], b[k])]
+    step["row0_side_untouched"] = graph.row0_side_untouched()
+
+
+def prefill_main(out: str, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(0)
+    eager, graph = prefilled_copies(device, gen)
     runner = PrefillGraphRunner(graph, capture=device.type == "cuda")
     res = {"steps": []}
     garbage = torch.Generator().manual_seed(1)
@@ -322,23 +349,11 @@ def prefill_main(out: str, device: torch.device) -> None:
         inputs, same = eager.extend_inputs(reqs), graph.extend_inputs(reqs)
         assert all(torch.equal(inputs[k], same[k]) for k in inputs)
         raw = inputs["out_cache_loc"].numel()
-        qkv = qkv_for(raw, gen, dtype, device)
+        qkv = qkv_for(raw, gen, eager.dtype, device)
         ref = eager.eager_extend(inputs, qkv)
         bucket = runner.load(inputs, qkv, garbage)
         step = dict(reqs=reqs, bucket=bucket, tokens=raw)
-        if runner.capture:
-            hooks = [o[:raw].clone() for o in runner.run_once(bucket)]  # the same step, launched eagerly
-            runner.graphs[bucket].replay()
-            got = [o[:raw] for o in runner.outputs[bucket]]
-            step["replay_equals_hooks"] = all(torch.equal(a, b) for a, b in zip(got, hooks, strict=True))
-        else:
-            got = [o[:raw] for o in runner.run_once(bucket)]
-        diff = torch.stack([(a.float() - b.float()).abs().max() for a, b in zip(got, ref, strict=True)])
-        step.update(max_diff=float(diff.max()), bitwise=all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)))
-        a, b = eager.cache_state(), graph.cache_state()
-        step["caches_equal"] = all(torch.equal(a[k], b[k]) for k in a)
-        step["unequal"] = [k for k in a if not torch.equal(a[k], b[k])]
-        step["row0_side_untouched"] = graph.row0_side_untouched()
+        compare(step, runner, bucket, raw, ref, eager, graph)
         res["steps"].append(step)
     with open(out, "w") as f:
         json.dump(res, f)
@@ -352,15 +367,9 @@ def qkv_for(n: int, gen: torch.Generator, dtype, device) -> list:
 def main(out: str, device: torch.device) -> None:
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    eager, graph = Copy(device, dtype), Copy(device, dtype)
     gen = torch.Generator().manual_seed(0)
-    for row, (n, span) in REQUESTS.items():
-        qkv = qkv_for(n, gen, dtype, device)
-        for c in (eager, graph):
-            c.extend(row, qkv)
-            if span is not None:
-                c.evict(row, span)
+    eager, graph = prefilled_copies(device, gen)
+    dtype = eager.dtype
     runner = GraphRunner(graph, capture=device.type == "cuda")
     res = {"fill": runner.fill, "row_lengths": dict(eager.length), "steps": []}
     garbage = torch.Generator().manual_seed(1)
@@ -380,23 +389,9 @@ def main(out: str, device: torch.device) -> None:
                for layer, (q, k, v) in zip(eager.layers, qkv, strict=True)]
         bs, _ = runner.load(inputs, qkv, garbage)
         step = dict(rows=rows, bs=bs, lengths=inputs["seq_lens"].tolist(), positions=inputs["positions"].tolist())
-        if runner.capture:
-            hooks = [o[: len(rows)].clone() for o in runner.run_once(bs)]  # the same step, launched eagerly
-            runner.graphs[bs].replay()
-            got = [o[: len(rows)] for o in runner.outputs[bs]]
-            step["replay_equals_hooks"] = all(torch.equal(a, b) for a, b in zip(got, hooks, strict=True))
-        else:
-            got = [o[: len(rows)] for o in runner.run_once(bs)]
-        diff = torch.stack([(a.float() - b.float()).abs() for a, b in zip(got, ref, strict=True)])
-        step.update(max_diff=float(diff.max()), mean_diff=float(diff.mean()),
-                    bitwise=all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)),
-                    ref_abs_mean=float(torch.stack([r.float().abs() for r in ref]).mean()))
+        compare(step, runner, bs, len(rows), ref, eager, graph)
         if runner.capture:  # which decode kernel each path ran (the CUDA kernel where it takes the shapes)
             step["kernels"] = [eager.backend.decode_workspace.last_kernel, graph.backend.graph.workspace.last_kernel]
-        a, b = eager.cache_state(), graph.cache_state()
-        step["caches_equal"] = all(torch.equal(a[k], b[k]) for k in a)
-        step["unequal"] = [k for k in a if not torch.equal(a[k], b[k])]
-        step["row0_side_untouched"] = graph.row0_side_untouched()
         res["steps"].append(step)
     with open(out, "w") as f:
         json.dump(res, f)
