@@ -5,10 +5,8 @@ through the agent loop with every compaction strategy, all on reused player proc
 from __future__ import annotations
 
 import json
-import os
 import random
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from env_loop import env_text, play_tiny
 
 from envs.alfworld.data import RELEASE, GameFiles, GameLogic, source_root
 from envs.alfworld.env import AlfWorldEnv
+from envs.alfworld.expert import play_games
 from envs.alfworld.tasks import AlfWorldConfig, AlfWorldTasks
 from envs.rollout.compaction import STRATEGIES
 
@@ -38,15 +37,6 @@ def sample(tasks: list, n: int = 20) -> list:
     return [by_type[kind][i] for _, kind, i in sorted(spread)[:n]]
 
 
-def play_expert(env: AlfWorldEnv, task) -> tuple[bool, int]:
-    env.reset(task)
-    while True:
-        action = env.expert_action()
-        result = env.step(action if action is not None else "look")
-        if result.done:
-            return result.info["won"], result.info["steps"]
-
-
 def test_eval_splits_hold_140_seen_and_134_unseen_games_that_load(alfworld):
     seen, unseen, train = (alfworld.tasks(s) for s in ("eval_seen", "eval_unseen", "train"))
     assert (len(seen), len(unseen), len(train)) == (140, 134, 200)
@@ -60,36 +50,7 @@ def test_eval_splits_hold_140_seen_and_134_unseen_games_that_load(alfworld):
         assert "(:goal" in game["pddl_problem"] and game["solvable"]
         assert task.payload["task_type"] == traj["task_type"]
     # Loading in TextWorld's PDDL engine (grounding included) is a second a game: the expert
-    # tests below load 40 of them; test_expert_on_every_eval_game loads all 274.
-
-
-EXPERT_STEPS = 200  # the expert's own limit (it gives up after 200 commands, as in AlfredExpert)
-
-
-def play_split(alfworld, games) -> list[tuple[bool, int]]:
-    """The expert on ``games`` up to its own step limit, on two player processes (one per core)."""
-
-    def play(chunk):
-        env = AlfWorldEnv(alfworld.pool, max_steps=EXPERT_STEPS)
-        try:
-            return [play_expert(env, t) for t in chunk]
-        finally:
-            env.close()
-
-    with ThreadPoolExecutor(2) as pool:
-        return [r for chunk in pool.map(play, (games[0::2], games[1::2])) for r in chunk]
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("KVSTREAMS_ALFWORLD_FULL"), reason="minutes: set KVSTREAMS_ALFWORLD_FULL=1")
-@pytest.mark.parametrize("split", ["eval_seen", "eval_unseen"])
-def test_expert_on_every_eval_game(split, alfworld):
-    """Every game loads in the engine; the expert's rate over the whole split."""
-    results = play_split(alfworld, alfworld.tasks(split))
-    rate = sum(won for won, _ in results) / len(results)
-    in_budget = sum(won and steps <= 50 for won, steps in results) / len(results)
-    print(f"\n{split}: expert solves {rate:.1%} of all {len(results)} games ({in_budget:.1%} within 50 steps)")
-    assert rate >= 0.95
+    # tests below load 40 of them; `python -m envs.alfworld.expert` plays all 274 (minutes).
 
 
 @pytest.mark.parametrize("split", ["eval_seen", "eval_unseen"])
@@ -97,7 +58,7 @@ def test_expert_solves_at_least_95_percent_of_a_20_game_sample(split, alfworld):
     """Solved = won before the expert gives up; some take it 50-100 commands (it searches
     receptacles one by one), more than the 50-step budget agents get, so that rate is printed."""
     games = sample(alfworld.tasks(split))
-    results = play_split(alfworld, games)
+    results = play_games(alfworld, games)
     rate = sum(won for won, _ in results) / len(results)
     in_budget = sum(won and steps <= 50 for won, steps in results) / len(results)
     print(f"\n{split}: expert solves {rate:.0%} of {len(results)} games ({in_budget:.0%} within the standard "
