@@ -43,8 +43,6 @@ def play_games(taskset, games: list, *, workers: int = 2, max_steps: int = EXPER
 def main(argv: list[str] | None = None) -> int:
     """Every game of the eval splits (minutes): the expert's win rate, overall and within the agents' 50 steps;
     exit status 1 if it solves fewer than 95% of a split."""
-    from rich.progress import track
-
     from .tasks import AlfWorldConfig, AlfWorldTasks
 
     p = argparse.ArgumentParser(description=main.__doc__)
@@ -55,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     ok = True
     try:
         for split in a.splits:
-            games = list(track(taskset.tasks(split), description=split))
+            games = taskset.tasks(split)
+            print(f"{split}: playing {len(games)} games on {a.workers} player processes", flush=True)
             results = play_games(taskset, games, workers=a.workers)
             rate = sum(won for won, _ in results) / len(results)
             in_budget = sum(won and steps <= 50 for won, steps in results) / len(results)
