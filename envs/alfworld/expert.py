@@ -4,6 +4,7 @@ checked to be solvable, by the tests on a sample and by ``python -m envs.alfworl
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .env import AlfWorldEnv
@@ -21,13 +22,20 @@ def play_expert(env: AlfWorldEnv, task) -> tuple[bool, int]:
             return result.info["won"], result.info["steps"]
 
 
-def play_games(taskset, games: list, *, workers: int = 2, max_steps: int = EXPERT_STEPS) -> list[tuple[bool, int]]:
-    """The expert on ``games`` up to ``max_steps``, on ``workers`` player processes, results in game order."""
+def play_games(taskset, games: list, *, workers: int = 2, max_steps: int = EXPERT_STEPS,
+               on_game: Callable[[], None] | None = None) -> list[tuple[bool, int]]:
+    """The expert on ``games`` up to ``max_steps``, on ``workers`` player processes, results in game order;
+    ``on_game`` is called after each game."""
 
     def play(chunk):
         env = AlfWorldEnv(taskset.pool, max_steps=max_steps)
         try:
-            return [play_expert(env, t) for t in chunk]
+            out = []
+            for t in chunk:
+                out.append(play_expert(env, t))
+                if on_game is not None:
+                    on_game()
+            return out
         finally:
             env.close()
 
@@ -43,6 +51,8 @@ def play_games(taskset, games: list, *, workers: int = 2, max_steps: int = EXPER
 def main(argv: list[str] | None = None) -> int:
     """Every game of the eval splits (minutes): the expert's win rate, overall and within the agents' 50 steps;
     exit status 1 if it solves fewer than 95% of a split."""
+    from tqdm import tqdm
+
     from .tasks import AlfWorldConfig, AlfWorldTasks
 
     p = argparse.ArgumentParser(description=main.__doc__)
@@ -54,8 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for split in a.splits:
             games = taskset.tasks(split)
-            print(f"{split}: playing {len(games)} games on {a.workers} player processes", flush=True)
-            results = play_games(taskset, games, workers=a.workers)
+            with tqdm(total=len(games), desc=f"{split} (expert)", unit="game") as bar:
+                results = play_games(taskset, games, workers=a.workers, on_game=lambda: bar.update(1))
             rate = sum(won for won, _ in results) / len(results)
             in_budget = sum(won and steps <= 50 for won, steps in results) / len(results)
             print(f"{split}: expert solves {rate:.1%} of all {len(results)} games ({in_budget:.1%} within 50 steps)")
