@@ -14,8 +14,8 @@ Episodes then run long enough for the strategy to evict turns, and the model see
 carry on after a command that did not advance the game -- what it meets in its own
 rollouts.
 
-The loss: ``-sum(logprob of loss tokens) / loss tokens`` per step, from
-``trainer_masks.score_streams`` on the trainer's (FSDP-wrapped) model.
+The loss: ``-sum(logprob of loss tokens) / loss tokens`` per step and rendering, averaged over the renderings
+(``expert_nll``), from ``trainer_masks.score_streams`` on the trainer's (FSDP-wrapped) model.
 """
 
 from __future__ import annotations

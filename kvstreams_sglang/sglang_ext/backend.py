@@ -15,8 +15,10 @@ captured launches read only them, so ``init_forward_metadata_in_graph`` has noth
 The graph runner pads a batch to a captured size with rows of ``req_pool_idx`` 0, ``seq_len``
 1 (our fill value) and position 0; those rows get empty lists (their output is 0 and
 discarded), write their new token's INT4 codes to the padding slot 0 and no INT8 copy, so they
-never touch a real request's KV. Prefill ("breakable" graphs) runs attention eagerly through
-``init_forward_metadata``.
+never touch a real request's KV. Prefill on "breakable" graphs (SGLang's CUDA default) runs attention
+eagerly through ``init_forward_metadata``; on "full" prefill graphs (``--cuda-graph-backend-prefill full``)
+``init_forward_metadata_out_graph`` plans extend steps into ``PrefillGraphBuffers`` the same way, and the
+captured layers read only those (every kernel grid fixed by the token bucket).
 """
 
 from __future__ import annotations
