@@ -162,6 +162,17 @@ class Copy:
                 out[f"{i}.{name}"] = getattr(c, name)[row:]
         return out
 
+    def snapshot(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every tensor of the pool a step writes, with a copy of its bytes (``restore`` puts them back in place)."""
+        names = ("k_codes", "k_meta", "v_codes", "v_meta", "k_side", "k_side_scale", "v_side", "v_side_scale")
+        held = [self.pool.slot_positions] + [getattr(c, n) for c in self.pool.layers for n in names]
+        return [(t, t.clone()) for t in held]
+
+    @staticmethod
+    def restore(snap: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for t, saved in snap:
+            t.copy_(saved)
+
     def row0_side_untouched(self) -> bool:
         row = SIDE_ROW
         return all(bool((getattr(c, n)[:row] == 0).all()) for c in self.pool.layers
@@ -320,15 +331,20 @@ def prefilled_copies(device: torch.device, gen: torch.Generator) -> tuple[Copy, 
 
 def compare(step: dict, runner, key: int, n: int, ref: list, eager: Copy, graph: Copy) -> None:
     """The graph path's outputs (first ``n`` rows; replayed from the captured graph of ``key`` when the runner
-    captures, then also launched eagerly) against the eager path's ``ref``, and the two copies' caches, into
+    captures, else launched again; each against a first eager launch that is then undone) against the eager path's ``ref``, and the two copies' caches, into
     ``step``."""
+    # the same step launched eagerly, then undone: an extend is not idempotent (its new tokens' INT8 copies take
+    # the ring slots of the oldest recent tokens, which its own prefix lists read); then the step for real:
+    # replayed from the captured graph where the runner captures, else launched once more
+    before = graph.snapshot()
+    hooks = [o[:n].clone() for o in runner.run_once(key)]
+    graph.restore(before)
     if runner.capture:
-        hooks = [o[:n].clone() for o in runner.run_once(key)]  # the same step, launched eagerly
         runner.graphs[key].replay()
         got = [o[:n] for o in runner.outputs[key]]
-        step["replay_equals_hooks"] = all(torch.equal(a, b) for a, b in zip(got, hooks, strict=True))
     else:
         got = [o[:n] for o in runner.run_once(key)]
+    step["replay_equals_hooks"] = all(torch.equal(a, b) for a, b in zip(got, hooks, strict=True))
     diff = torch.stack([(a.float() - b.float()).abs() for a, b in zip(got, ref, strict=True)])
     step.update(max_diff=float(diff.max()), mean_diff=float(diff.mean()),
                 bitwise=all(torch.equal(a, b) for a, b in zip(got, ref, strict=True)),

@@ -340,7 +340,7 @@ def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):
     assert {s["bs"] > len(s["rows"]) for s in steps} == {True, False}  # padded and exact batches
     assert max(s["lengths"][s["rows"].index(3)] for s in steps if 3 in s["rows"]) > 16 + 4  # an INT4 region
     for s in steps:
-        assert s["bitwise"] and s["max_diff"] == 0.0, s
+        assert s["bitwise"] and s["max_diff"] == 0.0 and s["replay_equals_hooks"], s
         assert s["caches_equal"] and s["row0_side_untouched"], s
 
 
@@ -355,7 +355,7 @@ def test_graph_prefill_steps_equal_eager_bit_for_bit(tmp_path):
     assert {s["bucket"] for s in steps} == {32, 64} and {len(s["reqs"]) for s in steps} >= {1, 4}
     assert any(s["tokens"] < s["bucket"] for s in steps)  # padding tokens
     for s in steps:
-        assert s["bitwise"] and s["max_diff"] == 0.0, s
+        assert s["bitwise"] and s["max_diff"] == 0.0 and s["replay_equals_hooks"], s
         assert s["caches_equal"] and s["row0_side_untouched"], s
 
 
