@@ -23,9 +23,13 @@ from __future__ import annotations
 import asyncio
 import io
 import itertools
+import multiprocessing
+import os
 import random
 import shutil
+import time
 from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,6 +76,8 @@ class SFTConfig(BaseModel):
     check_games: int = Field(32, ge=1)
     probe_episodes: int = Field(32, ge=1, description="expert episodes of the eval split whose command loss is "
                                                       "reported before and after")
+    expert_workers: int = Field(1, ge=0, description="processes playing the expert episodes (0: one per CPU core); "
+                                "the records are the same whatever the number")
 
 
 class ExpertClient:
@@ -136,15 +142,42 @@ class ExpertClient:
 
 async def expert_records(taskset: TaskSet, renderer: ChatRenderer, compaction: CompactionConfig,
                          episode: EpisodeConfig, config: SFTConfig, *, split: str = "train", seed: int = 0,
-                         on_episode: Callable[[], None] | None = None,
-                         concurrency: int = 32) -> list[list[StreamRecord]]:
+                         on_episode: Callable[[], None] | None = None, concurrency: int = 32,
+                         workers: int = 1) -> list[list[StreamRecord]]:
     """``config.episodes`` expert episodes over the ``split`` games (cycling), each as its records (one per
     stream: re-prefill compaction starts a new one), in episode order whatever order they finish in. Up to
     ``concurrency`` play at once: environments stepped in worker threads (``episode.env_in_thread``) then wait on
-    their games together (ALFWorld's player processes)."""
+    their games together (ALFWorld's player processes). ``workers`` > 1 plays them in that many processes, in
+    chunks: TextWorld's step is CPU-bound Python under one lock (its expert's policy update), ~85% of an
+    episode's time. Episode ``i`` is seeded ``seed + i`` wherever it plays, so the records do not depend on it."""
     if compaction.strategy in ASKS_THE_MODEL:
         raise ValueError(f"SFT from expert episodes needs a strategy that never asks the model; "
                          f"{compaction.strategy!r} does")
+    args = (taskset, renderer, compaction, episode, config, split, seed, concurrency)
+    if workers <= 1 or config.episodes <= 1:
+        return await _play_expert(*args, range(config.episodes), on_episode)
+    chunk = max(1, min(8, -(-config.episodes // workers)))
+    starts = range(0, config.episodes, chunk)
+    loop = asyncio.get_running_loop()
+    # spawn: the parent may hold a CUDA context, which a forked child must not inherit
+    with ProcessPoolExecutor(min(workers, len(starts)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        chunks = [loop.run_in_executor(pool, _play_expert_chunk, *args, range(a, min(a + chunk, config.episodes)))
+                  for a in starts]
+        for done in asyncio.as_completed(chunks):
+            for _ in await done:
+                if on_episode is not None:
+                    on_episode()
+    return [ep for c in chunks for ep in c.result()]
+
+
+def _play_expert_chunk(*args) -> list[list[StreamRecord]]:
+    """A worker process's share of ``expert_records``: its episodes, in order."""
+    return asyncio.run(_play_expert(*args, None))
+
+
+async def _play_expert(taskset: TaskSet, renderer: ChatRenderer, compaction: CompactionConfig,
+                       episode: EpisodeConfig, config: SFTConfig, split: str, seed: int, concurrency: int,
+                       indices: range, on_episode: Callable[[], None] | None) -> list[list[StreamRecord]]:
     tasks = taskset.tasks(split)
     sem = asyncio.Semaphore(concurrency)
 
@@ -157,7 +190,7 @@ async def expert_records(taskset: TaskSet, renderer: ChatRenderer, compaction: C
             on_episode()
         return ep.records
 
-    return list(await asyncio.gather(*(one(i) for i in range(config.episodes))))
+    return list(await asyncio.gather(*(one(i) for i in indices)))
 
 
 def micro_batches(records: list[StreamRecord], max_records: int,
@@ -245,6 +278,13 @@ def batches(renderings: list[list[list[StreamRecord]]], size: int, steps: int, *
     return out
 
 
+def elapsed(t0: float, device: torch.device) -> float:
+    """Seconds since ``t0`` once ``device`` has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return round(time.perf_counter() - t0, 3)
+
+
 def save_model(trainer: Trainer, base_path: str | Path, out: str | Path) -> Path:
     """Write the trainer's weights as a Hugging Face checkpoint (with the base's tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -276,8 +316,8 @@ def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[Compac
     import hashlib
     import json
 
-    # not the step cap: a longer run continues a shorter one
-    what = {"sft": sft.model_dump(mode="json", exclude={"steps"}),
+    # not the step cap (a longer run continues a shorter one), nor the processes playing the episodes
+    what = {"sft": sft.model_dump(mode="json", exclude={"steps", "expert_workers"}),
             "renderings": [c.model_dump(mode="json") for c in renderings],
             "environment": cfg.environment.model_dump(mode="json"), "seed": cfg.run.seed,
             "episode": cfg.orchestrator.episode.model_dump(mode="json"), "base": str(base_path)}
@@ -316,17 +356,18 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
         episodes, probe = cached["episodes"], cached["probe"]
         console.print(f"expert episodes from {cache}")
     else:
+        workers = sft.expert_workers or os.cpu_count() or 1
         with Progress(transient=True, console=console) as progress:
             bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
             episodes, probe = [], []  # episodes: per rendering, per episode, its records; probe: per rendering
             for compaction in renderings:
                 episodes.append(await expert_records(taskset, renderer, compaction, ep_cfg, sft,
                                                      split=cfg.environment.train_split, seed=cfg.run.seed,
-                                                     on_episode=lambda: progress.advance(bar)))
+                                                     on_episode=lambda: progress.advance(bar), workers=workers))
                 probe.append([r for ep in await expert_records(
                     taskset, renderer, compaction, ep_cfg, sft.model_copy(update={"episodes": sft.probe_episodes}),
                     split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
-                    on_episode=lambda: progress.advance(bar)) for r in ep])
+                    on_episode=lambda: progress.advance(bar), workers=workers) for r in ep])
         buf = io.BytesIO()
         torch.save({"key": key, "episodes": episodes, "probe": probe}, buf)
         checkpoint.atomic_write_bytes(cache, buf.getvalue())
@@ -358,17 +399,22 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
         bar = progress.add_task("SFT steps", total=sft.steps, completed=steps)
         todo = batches(episodes, sft.episodes_per_step, sft.steps, seed=cfg.run.seed)[steps:]
         for step, batch in enumerate(todo if not stop else [], start=steps):
+            t0 = time.perf_counter()
             row = {"step": step, **sft_step(trainer, batch, **pack)}
+            row["step_s"] = elapsed(t0, device)
             steps = step + 1
             if sft.stop_train_win_rate is not None and steps % sft.check_every == 0:
+                t0 = time.perf_counter()
                 checker = checker or make_engine(cfg, base_path, device)
                 checker.update_weights(trainer.engine_weights())
                 result, _ = await evaluate("SFT check", checker, taskset, train_tasks, renderer, cfg,
                                            temperature=0.0, seed=cfg.run.seed)
                 check = row["train_win_rate"] = result.win_rate
+                row["check_s"] = elapsed(t0, device)
                 stop = check >= sft.stop_train_win_rate
                 if not console.is_terminal:  # a log file sees no live bar: one line per check instead
-                    console.print(f"SFT step {steps}: nll {row['nll']:.3f}, greedy train wins {check:.0%}")
+                    console.print(f"SFT step {steps}: nll {row['nll']:.3f}, greedy train wins {check:.0%} "
+                                  f"(step {row['step_s']:.2f}s, check {row['check_s']:.1f}s)")
             log.log(row)
             if "train_win_rate" in row:
                 checkpoint.save(ckpt_dir, steps, {"trainer": trainer.checkpoint_state(), "key": key,

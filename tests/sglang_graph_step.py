@@ -207,9 +207,9 @@ class GraphRunner:
                                  seq_lens_sum=bs * self.fill)
             self.batches[bs] = fb
             be.init_forward_metadata_out_graph(fb, in_capture=True)
+            for _ in range(2):  # the runner's warm-up launches (eager, on the CPU too), then the capture
+                self.run_once(bs)
             if capture:
-                for _ in range(2):
-                    self.run_once(bs)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):
@@ -273,9 +273,9 @@ class PrefillGraphRunner:
             self.positions.zero_(), self.out_cache_loc.zero_()
             be.init_forward_metadata_out_graph(self.view(bucket, self.positions[:bucket],
                                                          self.out_cache_loc[:bucket]), in_capture=True)
+            for _ in range(2):  # the runner's warm-up launches (eager, on the CPU too), then the capture
+                self.run_once(bucket)
             if capture:
-                for _ in range(2):
-                    self.run_once(bucket)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph):

@@ -112,3 +112,39 @@ def test_sft_micro_batches_pack_records_by_count_and_tokens():
     records = ["a" * n for n in (5, 5, 5, 20, 3, 3)]
     assert [len(b) for b in micro_batches(records, 4)] == [4, 2]
     assert [[len(r) for r in b] for b in micro_batches(records, 4, max_tokens=10)] == [[5, 5], [5], [20], [3, 3]]
+
+
+def test_expert_episodes_played_in_processes_equal_those_played_in_one(tmp_path):
+    """``expert_records(workers=N)`` plays chunks of episodes in spawned processes (TextWorld's step is CPU-bound
+    Python under one lock); episode ``i`` is seeded ``seed + i`` wherever it plays, so the records -- detours,
+    evictions, loss masks -- are those of one process, in episode order."""
+    from transformers import AutoTokenizer
+
+    from envs.registry import make_taskset
+    from envs.rollout.agent_loop import EpisodeConfig
+    from envs.rollout.chat import ChatRenderer
+    from envs.rollout.compaction import CompactionConfig
+    from harness.sft import SFTConfig, expert_records
+    from kvstreams_sglang.checkpoints import build_tiny_model
+
+    taskset = make_taskset("textworld", {"presets": ["easy"], "n_train": 2, "n_eval": 1, "max_steps": 8,
+                                         "cache_dir": str(tmp_path / "games"), "progress": False})
+    model = build_tiny_model(tmp_path / "m", num_layers=1, hidden_size=32, num_heads=1, num_kv_heads=1,
+                             head_dim=32, intermediate_size=32)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model), taskset.make_env().system_prompt)
+    compaction = CompactionConfig(strategy="sliding_window", execution="kv_streams", window_turns=2, stride=1)
+    sft = SFTConfig(episodes=5, detour=0.5)
+    episode = EpisodeConfig(max_turns=8, max_new_tokens=8)
+    ticks = []
+
+    def play(workers: int):
+        return asyncio.run(expert_records(taskset, renderer, compaction, episode, sft, seed=3, workers=workers,
+                                          on_episode=lambda: ticks.append(workers)))
+
+    one, many = play(1), play(2)
+    assert ticks.count(1) == ticks.count(2) == 5
+    fields = ("token_ids", "positions", "loss_mask", "evictions")
+    assert [[[getattr(r, f) for f in fields] for r in ep] for ep in one] == \
+        [[[getattr(r, f) for f in fields] for r in ep] for ep in many]
+    assert any(r.evictions for ep in one for r in ep)  # the window compacted
+    assert len({tuple(ep[0].token_ids) for ep in one}) > 2  # the episodes differ (games, detours)

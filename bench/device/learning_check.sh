@@ -39,9 +39,9 @@ export ALFWORLD_DATA=/tmp/alfworld_data KVSTREAMS_CACHE=/tmp/kvstreams_cache \
   LEARNING_DEVICE_COMMAND="bash bench/device/learning_check.sh $ENV $*"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 JSON="$OUT/learning_${ENV}_h200.json"
-# LEARNING_ARGS: config overrides for every stage (e.g. "--run.time_budget_s 150"); PYTHON: the interpreter
+# LEARNING_TIMEOUT: seconds for the stages (default 530); LEARNING_ARGS: config overrides for every stage (e.g. "--run.time_budget_s 150"); PYTHON: the interpreter
 BENCH=(${PYTHON:-python3} -m bench.learning --config "configs/$ENV/gpu_small.toml" --out-dir "$STATE" --json "$JSON")
-timeout 530 "${BENCH[@]}" --stage "${@:-all}" $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"
+timeout ${LEARNING_TIMEOUT:-530} "${BENCH[@]}" --stage "${@:-all}" $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"
 rc=$?
 [ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
 tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights \

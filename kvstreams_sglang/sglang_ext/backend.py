@@ -307,6 +307,8 @@ class KV4RLAttnBackend(AttentionBackend):
         width, total = self._host_sizes(fb, r)
         qo, side_slots, kv4 = self._extend_lists(fb.req_pool_indices[:r], fb.seq_lens[:r], fb.extend_seq_lens[:r],
                                                  fb.positions, out_slots, width, total)
+        if in_capture:  # the runner's dummy batch is all padding (its warm-up launches run it): no INT8 copies
+            side_slots = torch.full_like(side_slots, -1)
         g = self.prefill_graph
         g.write(qo, out_slots, side_slots, kv4)
         self.forward_metadata = KV4StepMetadata("extend", g.qo_indptr, g.out_slots, g.side_slots, g.lists(), None,
