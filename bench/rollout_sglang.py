@@ -168,7 +168,11 @@ def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
         flags += ["--mem-fraction-static", str(a.mem_fraction), "--cuda-graph-max-bs-decode",
                   str(a.max_running_requests)]
         prefill_graph = a.ours_prefill_graph if setup.client != "stock" and a.ours_prefill_graph else a.prefill_graph
-        if prefill_graph != "default":
+        if prefill_graph == "full" and setup.client != "stock" and a.ours_prefill_graph_slots:
+            # SGLang's JSON form: the request slots a "full" prefill graph holds (default chunked_prefill_size // 512)
+            flags += ["--cuda-graph-config", json.dumps({"prefill": {
+                "backend": "full", "full_prefill_max_req": a.ours_prefill_graph_slots}})]
+        elif prefill_graph != "default":
             flags += ["--cuda-graph-backend-prefill", prefill_graph]
         env = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
     flags += turn_batching_flags(setup, a.turn_batching, a.turn_batch_max_delay_ms)
@@ -568,6 +572,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--ours-prefill-graph", default=None, choices=("default", "breakable", "full", "disabled"),
                    help="our servers' --cuda-graph-backend-prefill instead of --prefill-graph's (full: whole prefill "
                         "steps captured, our attention included; stock keeps its own)")
+    g.add_argument("--ours-prefill-graph-slots", type=int, default=None,
+                   help="with --ours-prefill-graph full: the request slots each captured prefill graph holds (SGLang's\n"
+                        "full_prefill_max_req; default 16 at chunked prefill 8192); larger steps run eagerly")
     g.add_argument("--turn-batching", type=float, default=0.0,
                    help="hold prefills back while fewer than RATIO x running requests wait, on every server\n"
                         "(stock: --enable-prefill-delayer --prefill-delayer-queue-min-ratio;\n"
@@ -729,7 +736,7 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
         configs=a.configs, strategies=strategies, mem_fraction_static=a.mem_fraction if a.device != "cpu" else None,
         max_total_tokens=a.max_total_tokens if a.device == "cpu" else None,
         max_running_requests=a.max_running_requests, prefill_graph=a.prefill_graph,
-        ours_prefill_graph=a.ours_prefill_graph,
+        ours_prefill_graph=a.ours_prefill_graph, ours_prefill_graph_slots=a.ours_prefill_graph_slots,
         turn_batching=a.turn_batching, turn_batch_max_delay_ms=a.turn_batch_max_delay_ms,
         games=a.games if a.games == "recorded" else "long {},{} turns".format(*a.long_turns),
         length_scale=a.length_scale, window=a.window, markovian_turns=a.markovian_turns,

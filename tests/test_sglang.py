@@ -308,6 +308,11 @@ b = KVStreamsServerArgs(model_path=sys.argv[1], device="cuda", kv4rl=True)
 print("graphs", b.cuda_graph_config.decode.backend, "radix off", b.disable_radix_cache)
 f = KVStreamsServerArgs(model_path=sys.argv[1], device="cuda", kv4rl=True, cuda_graph_backend_prefill="full")
 print("prefill graphs", f.cuda_graph_config.prefill.backend)
+from kvstreams_sglang.sglang_ext.server_args import prepare_server_args
+j = prepare_server_args(["--model-path", sys.argv[1], "--device", "cuda", "--kv4rl", "--cuda-graph-config",
+                         '{"prefill": {"backend": "full", "full_prefill_max_req": 64}}'])
+print("json prefill graphs", j.cuda_graph_config.prefill.backend, j.cuda_graph_config.prefill.full_prefill_max_req,
+      j.cuda_graph_config.decode.backend)
 a = KVStreamsServerArgs(model_path=sys.argv[1], device="cpu", kv4rl=True, enable_kv_streams=True)
 print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_streaming_session,
       a.disable_overlap_schedule, a.max_running_requests, a.radix_cache_backend, a.schedule_policy)
@@ -324,6 +329,7 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "ok kv4rl 1 False True False 256 kvstreams lpm" in out  # overlap scheduling stays on
     assert "the 'tc_piecewise' prefill CUDA graph backend is not supported" in out and "'breakable' decode graph" in out
     assert "prefill graphs full" in out  # whole captured prefill steps (PrefillGraphBuffers)
+    assert "json prefill graphs full 64 full" in out  # SGLang's JSON form (bench.rollout_sglang's slots), decode kept
     assert "--enable-torch-compile" in out and "--enable-mixed-chunk" in out and "--prefill-attention-backend" in out
     assert "graphs full radix off True" in out  # --kv4rl keeps decode graphs on; its side cache is per row
 

@@ -20,6 +20,8 @@
 #   kv4rl 1.22x stock (rollout_sglang_h200.json), 0.5/60 1.46x, none 0.85x; with the JIT cache carried a server
 #   starts in 60-110 s;
 # - OURS_PREFILL_GRAPH=full captures our servers' whole prefill steps (attention included); stock keeps its default.
+#   2026-12-04: 2.12x stock bf16 on long games; 37 of 407 prefill steps ran eagerly (over SGLang's 16 request slots):
+#   OURS_PREFILL_SLOTS=64 captures 64 slots per graph (--cuda-graph-config ...full_prefill_max_req; not yet measured).
 # - PROFILE=40 records 40 steps of each server with SGLang's torch profiler, summarised into the JSON (bench.trace_summary).
 # Needs the SGLang bundle at .device_sgl (bash ../shared/device/sglang_bundle.sh .device_sgl; carry .device_sgl).
 set -o pipefail
@@ -33,7 +35,7 @@ MODEL=/tmp/qwen3-4b
 [ -f $MODEL/config.json ] || python3 -m kvstreams_sglang.checkpoints $MODEL --shape qwen3-4b --dtype bfloat16 \
   --device cuda > /dev/null || exit 1
 COMMON="--model $MODEL --warmup ${WARMUP:-15} --duration ${DURATION:-15} --min-duration ${DURATION:-15} --budget-s 5000
-  --games ${GAMES:-recorded} --long-turns ${LONG_TURNS:-30,60} --prefill-graph ${PREFILL_GRAPH:-default} ${OURS_PREFILL_GRAPH:+--ours-prefill-graph $OURS_PREFILL_GRAPH} --turn-batching ${TURN_BATCHING:-0} --turn-batch-max-delay-ms ${TURN_BATCH_MS:-30}
+  --games ${GAMES:-recorded} --long-turns ${LONG_TURNS:-30,60} --prefill-graph ${PREFILL_GRAPH:-default} ${OURS_PREFILL_GRAPH:+--ours-prefill-graph $OURS_PREFILL_GRAPH} ${OURS_PREFILL_SLOTS:+--ours-prefill-graph-slots $OURS_PREFILL_SLOTS} --turn-batching ${TURN_BATCHING:-0} --turn-batch-max-delay-ms ${TURN_BATCH_MS:-30}
   --profile-steps ${PROFILE:-0} --profile-configs ${PROFILE_CONFIGS:-stock_bf16,streams_kv4rl}"
 LIMIT=${ROLLOUT_TIMEOUT:-540}
 case $MODE in
