@@ -27,6 +27,7 @@ def tiny_args(out, games, *stage):
             "--run.steps", "2", "--evaluation.every", "1",
             "--sft.steps", "2", "--sft.episodes", "4", "--sft.episodes_per_step", "2", "--sft.check_every", "1",
             "--sft.check_games", "2", "--sft.micro_batch_records", "1", "--sft.probe_episodes", "2",
+            "--sft.expert_workers", "1",  # processes: test_demo's expert-episode test; here they would only cost starts
             "--fidelity.lengths", "[300]", "--fidelity.episodes", "2", "--fidelity.max_new_tokens", "4"]
     args, overrides = parse_args(argv)
     return args, load_config(args.config, overrides, schema=LearningConfig)
