@@ -331,8 +331,8 @@ def prefilled_copies(device: torch.device, gen: torch.Generator) -> tuple[Copy, 
 
 def compare(step: dict, runner, key: int, n: int, ref: list, eager: Copy, graph: Copy) -> None:
     """The graph path's outputs (first ``n`` rows; replayed from the captured graph of ``key`` when the runner
-    captures, else launched again; each against a first eager launch that is then undone) against the eager path's ``ref``, and the two copies' caches, into
-    ``step``."""
+    captures, else launched again; each against a first eager launch that is then undone) against the eager
+    path's ``ref``, and the two copies' caches, into ``step``."""
     # the same step launched eagerly, then undone: an extend is not idempotent (its new tokens' INT8 copies take
     # the ring slots of the oldest recent tokens, which its own prefix lists read); then the step for real:
     # replayed from the captured graph where the runner captures, else launched once more
