@@ -573,8 +573,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="our servers' --cuda-graph-backend-prefill instead of --prefill-graph's (full: whole prefill "
                         "steps captured, our attention included; stock keeps its own)")
     g.add_argument("--ours-prefill-graph-slots", type=int, default=None,
-                   help="with --ours-prefill-graph full: the request slots each captured prefill graph holds (SGLang's\n"
-                        "full_prefill_max_req; default 16 at chunked prefill 8192); larger steps run eagerly")
+                   help="with --ours-prefill-graph full: the request slots each captured prefill graph holds\n"
+                        "(SGLang's full_prefill_max_req; default 16 at chunked prefill 8192); larger steps run eagerly")
     g.add_argument("--turn-batching", type=float, default=0.0,
                    help="hold prefills back while fewer than RATIO x running requests wait, on every server\n"
                         "(stock: --enable-prefill-delayer --prefill-delayer-queue-min-ratio;\n"

@@ -38,7 +38,7 @@ def episode(rng: random.Random, vocab: int, *, turns: int = 30, obs: int = 70, a
         return start, len(ids)
 
     add(60, "prompt")
-    for t in range(turns):
+    for _ in range(turns):
         a = add(act, "model")
         o = add(obs, "env")
         spans.append((a[0], o[1]))
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         from torch._dynamo.utils import counters as dyn
 
         counters = {k: dict(v) for k, v in dyn.items() if k in ("stats", "recompiles", "frames")}
-    except Exception:  # noqa: BLE001 -- diagnostics only
+    except Exception:  # diagnostics only
         pass
     result = {"config": args.config, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "micro_batch_tokens": tokens_cap, "rows": rows, "dynamo": counters, "profile": top}
