@@ -88,7 +88,16 @@ from .replay import (
     sample_episodes,
     sizing_pool,
 )
-from .sglang_servers import OURS, STOCK, Server, ServerConfig, decode_lines, metric_total, prefill_lines
+from .sglang_servers import (
+    OURS,
+    STOCK,
+    Server,
+    ServerConfig,
+    cpu_flags_env,
+    decode_lines,
+    metric_total,
+    prefill_lines,
+)
 from .trace_summary import summarize_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -159,11 +168,8 @@ def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
         if setup.kv == "fp8":
             raise ValueError("fp8 KV needs a GPU")
         cfg = dataclasses.replace(cfg, flags=tuple("torch_native" if f == "flashinfer" else f for f in cfg.flags))
-        flags += ["--device", "cpu", "--dtype", "float32", "--sampling-backend", "pytorch", "--max-total-tokens",
-                  str(a.max_total_tokens), "--skip-server-warmup"]
-        env = {"SGLANG_USE_CPU_ENGINE": "1",
-               "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "sglang_cpu_shims"), str(ROOT),
-                                              os.environ.get("PYTHONPATH", "")])}
+        cpu_flags, env = cpu_flags_env(a.max_total_tokens)
+        flags += cpu_flags
     else:
         flags += ["--mem-fraction-static", str(a.mem_fraction), "--cuda-graph-max-bs-decode",
                   str(a.max_running_requests)]

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
 STOCK = "sglang.launch_server"
 OURS = "kvstreams_sglang.launch_server"
 # Every server: no grammar backend (the device's xgrammar is a stub), token ids in and out (the random
@@ -34,6 +35,17 @@ _DECODE = re.compile(
     r"Decode batch[^,]*,\s+#running-req:\s*(?P<running>\d+),\s+#token:\s*(?P<tokens>\d+),\s+"
     r"token usage:\s*(?P<usage>[0-9.]+),.*?(?P<graph>cuda graph|graph[^:]*):\s*(?P<graph_on>True|False),\s+"
     r"gen throughput \(token/s\):\s*(?P<thr>[0-9.]+)")
+
+
+def cpu_flags_env(max_total_tokens: int) -> tuple[list[str], dict]:
+    """Flags and environment of a server on the CPU (CI): SGLang's CPU build with the test shims
+    (``tests/sglang_cpu_shims``), fp32, torch sampling, a pool of ``max_total_tokens``, no warm-up."""
+    flags = ["--device", "cpu", "--dtype", "float32", "--sampling-backend", "pytorch", "--max-total-tokens",
+             str(max_total_tokens), "--skip-server-warmup"]
+    env = {"SGLANG_USE_CPU_ENGINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "sglang_cpu_shims"), str(ROOT),
+                                          os.environ.get("PYTHONPATH", "")])}
+    return flags, env
 
 
 @dataclass(frozen=True)
@@ -57,13 +69,13 @@ class DecodeLine:
         return 1000.0 * self.running / self.throughput if self.throughput else float("nan")
 
 
-_PREFILL = re.compile(r"Prefill batch[^,]*,\s+#new-seq:\s*(?P<seqs>\d+),\s+#new-token:\s*(?P<new>\d+),\s+"
+_PREFILL_THROUGHPUT = re.compile(r"Prefill batch[^,]*,\s+#new-seq:\s*(?P<seqs>\d+),\s+#new-token:\s*(?P<new>\d+),\s+"
                       r"#cached-token:\s*(?P<cached>\d+),.*?input throughput \(token/s\):\s*(?P<thr>[0-9.]+)")
 
 
 def prefill_throughputs(text: str) -> list[tuple[int, int, float]]:
     """(new tokens, cached tokens, input tokens/s since the previous prefill line) of every "Prefill batch" line."""
-    return [(int(m["new"]), int(m["cached"]), float(m["thr"])) for m in _PREFILL.finditer(text)]
+    return [(int(m["new"]), int(m["cached"]), float(m["thr"])) for m in _PREFILL_THROUGHPUT.finditer(text)]
 
 
 def decode_lines(text: str) -> list[DecodeLine]:

@@ -39,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envs.rollout.agent_loop import EpisodeConfig, run_episode
 from envs.rollout.chat import ChatRenderer
 from envs.rollout.compaction import CompactionConfig
-from envs.rollout.protocol import Environment, TaskSet
+from envs.rollout.protocol import Environment, Task, TaskSet
 from kvstreams_sglang.engine import Generation, SamplingParams
 from trainer_masks import StreamLedger, StreamRecord
 from trainer_masks.scoring import score_streams
@@ -153,7 +153,9 @@ async def expert_records(taskset: TaskSet, renderer: ChatRenderer, compaction: C
     if compaction.strategy in ASKS_THE_MODEL:
         raise ValueError(f"SFT from expert episodes needs a strategy that never asks the model; "
                          f"{compaction.strategy!r} does")
-    args = (taskset, renderer, compaction, episode, config, split, seed, concurrency)
+    # the games once, here: a worker given the task list never makes them (the first call on a machine generates
+    # them; workers asking the taskset each would all generate the same missing games at once)
+    args = (taskset, taskset.tasks(split), renderer, compaction, episode, config, seed, concurrency)
     if workers <= 1 or config.episodes <= 1:
         return await _play_expert(*args, range(config.episodes), on_episode)
     chunk = max(1, min(8, -(-config.episodes // workers)))
@@ -175,10 +177,9 @@ def _play_expert_chunk(*args) -> list[list[StreamRecord]]:
     return asyncio.run(_play_expert(*args, None))
 
 
-async def _play_expert(taskset: TaskSet, renderer: ChatRenderer, compaction: CompactionConfig,
-                       episode: EpisodeConfig, config: SFTConfig, split: str, seed: int, concurrency: int,
+async def _play_expert(taskset: TaskSet, tasks: list[Task], renderer: ChatRenderer, compaction: CompactionConfig,
+                       episode: EpisodeConfig, config: SFTConfig, seed: int, concurrency: int,
                        indices: range, on_episode: Callable[[], None] | None) -> list[list[StreamRecord]]:
-    tasks = taskset.tasks(split)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> list[StreamRecord]:

@@ -401,13 +401,17 @@ def main(out: str, device: torch.device) -> None:
         fb = SimpleNamespace(forward_mode=ForwardMode.DECODE, batch_size=len(rows),
                              **{k: v.to(device) for k, v in inputs.items()}, seq_lens_cpu=inputs["seq_lens"])
         eager.backend.init_forward_metadata(fb)
-        ref = [eager.backend.forward_decode(q, k, v, layer, fb)
-               for layer, (q, k, v) in zip(eager.layers, qkv, strict=True)]
+        ref, kernels = [], []
+        for layer, (q, k, v) in zip(eager.layers, qkv, strict=True):
+            ref.append(eager.backend.forward_decode(q, k, v, layer, fb))
+            ws = eager.backend.decode_workspace  # None on the CPU (the torch path)
+            kernels.append(ws.last_kernel if ws is not None else None)
         bs, _ = runner.load(inputs, qkv, garbage)
         step = dict(rows=rows, bs=bs, lengths=inputs["seq_lens"].tolist(), positions=inputs["positions"].tolist())
         compare(step, runner, bs, len(rows), ref, eager, graph)
-        if runner.capture:  # which decode kernel each path ran (the CUDA kernel where it takes the shapes)
-            step["kernels"] = [eager.backend.decode_workspace.last_kernel, graph.backend.graph.workspace.last_kernel]
+        if runner.capture:  # which decode kernel each path ran (the CUDA kernel where it takes the shapes): the
+            # eager path's per layer, the graph's last captured layer
+            step["kernels"] = [*kernels, graph.backend.graph.workspace.last_kernel]
         res["steps"].append(step)
     with open(out, "w") as f:
         json.dump(res, f)

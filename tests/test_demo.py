@@ -3,10 +3,13 @@ evaluation, SFT on compacted expert episodes, async GRPO with kv4rl KV-streams, 
 
 import asyncio
 import json
+import os
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from envs.textworld.tasks import TextWorldConfig, TextWorldTasks
 from harness.demo import STAGES, load_demo_config, report, run_demo
 from harness.evaluate import kv_peaks
 from trainer_masks import StreamRecord
@@ -114,21 +117,36 @@ def test_sft_micro_batches_pack_records_by_count_and_tokens():
     assert [[len(r) for r in b] for b in micro_batches(records, 4, max_tokens=10)] == [[5, 5], [5], [20], [3, 3]]
 
 
+class LoggedTasks(TextWorldTasks):
+    """TextWorld tasks that append the calling process's pid to ``log`` at each ``tasks()`` (a module-level class:
+    spawned workers unpickle it by name)."""
+
+    def __init__(self, config: TextWorldConfig, log: Path):
+        super().__init__(config)
+        self.log = log
+
+    def tasks(self, split: str):
+        with open(self.log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return super().tasks(split)
+
+
 def test_expert_episodes_played_in_processes_equal_those_played_in_one(tmp_path):
     """``expert_records(workers=N)`` plays chunks of episodes in spawned processes (TextWorld's step is CPU-bound
     Python under one lock); episode ``i`` is seeded ``seed + i`` wherever it plays, so the records -- detours,
-    evictions, loss masks -- are those of one process, in episode order."""
+    evictions, loss masks -- are those of one process, in episode order. The games are made once, in the calling
+    process, before the workers start (workers each asking for them made the same missing games all at once)."""
     from transformers import AutoTokenizer
 
-    from envs.registry import make_taskset
     from envs.rollout.agent_loop import EpisodeConfig
     from envs.rollout.chat import ChatRenderer
     from envs.rollout.compaction import CompactionConfig
     from harness.sft import SFTConfig, expert_records
     from kvstreams_sglang.checkpoints import build_tiny_model
 
-    taskset = make_taskset("textworld", {"presets": ["easy"], "n_train": 2, "n_eval": 1, "max_steps": 8,
-                                         "cache_dir": str(tmp_path / "games"), "progress": False})
+    calls = tmp_path / "tasks_calls.txt"
+    taskset = LoggedTasks(TextWorldConfig(presets=["easy"], n_train=2, n_eval=1, max_steps=8,
+                                          cache_dir=tmp_path / "games", progress=False), calls)
     model = build_tiny_model(tmp_path / "m", num_layers=1, hidden_size=32, num_heads=1, num_kv_heads=1,
                              head_dim=32, intermediate_size=32)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model), taskset.make_env().system_prompt)
@@ -141,7 +159,8 @@ def test_expert_episodes_played_in_processes_equal_those_played_in_one(tmp_path)
         return asyncio.run(expert_records(taskset, renderer, compaction, episode, sft, seed=3, workers=workers,
                                           on_episode=lambda: ticks.append(workers)))
 
-    one, many = play(1), play(2)
+    many, one = play(2), play(1)  # processes first, on an empty game cache
+    assert calls.read_text().split() == [str(os.getpid())] * 2  # the games asked for here alone, once per call
     assert ticks.count(1) == ticks.count(2) == 5
     fields = ("token_ids", "positions", "loss_mask", "evictions")
     assert [[[getattr(r, f) for f in fields] for r in ep] for ep in one] == \

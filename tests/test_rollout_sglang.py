@@ -132,10 +132,11 @@ sglang:kv_cache_memory_usage_gb{engine_type="unified"} 7.5
 
 def test_step_profile_from_the_scheduler_log_and_metrics():
     from bench.rollout_sglang import step_profile
-    from bench.sglang_servers import metric_total, parse_metrics, prefill_lines
+    from bench.sglang_servers import metric_total, parse_metrics, prefill_lines, prefill_throughputs
 
     assert [(x.seqs, x.new_tokens, x.cached_tokens, x.queued) for x in prefill_lines(LOG)] == [(7, 1272, 0, 2),
                                                                                              (1, 28, 1095, 0)]
+    assert prefill_throughputs(LOG) == [(1272, 0, 12.0), (28, 1095, 10.5)]  # bench.sglang_serving's prefill rate
     m0, m1 = parse_metrics(METRICS % (1.0, 2.0)), parse_metrics(METRICS % (1.5, 3.2))
     assert metric_total(m1, "sglang:kv_cache_memory_usage_gb") == 7.5
     p = step_profile(LOG, m0, m1, window_s=2.0)

@@ -292,7 +292,7 @@ def test_sglang_gpu_server_kv4rl_graphs_match_builtin_engine(server, model_path)
 def test_sglang_gpu_graph_steps_ran_the_cuda_kernel(graph_steps_result):
     """Last: the captured decode was the shipped CUDA kernel (where it is unavailable the Triton kernel runs, and the
     tests above still hold)."""
-    assert all(s["kernels"] == ["cuda", "cuda"] for s in graph_steps_result["steps"])
+    assert all(set(s["kernels"]) == {"cuda"} for s in graph_steps_result["steps"])
 
 
 def test_sglang_gpu_harness_trains_three_steps_against_the_server(server, model_path, tmp_path):

@@ -104,3 +104,21 @@ def test_random_open_append_generate_evict_close_never_leaks_or_double_frees():
     for sid in list(table.streams):
         table.close(sid)
     assert table.allocator.num_free == capacity and ops == 4000
+
+
+def test_every_kv4_layer_cache_starts_16_byte_aligned():
+    """The layers' INT8 side caches are views of one tensor per field; with 4 KV heads and an odd side-slot count
+    (9 rows of SGLang's req-to-token pool x 21 slots at sink 4 + recent 16) layer 1's scales sat 8 bytes off, and the
+    CUDA decode (16-byte aligned caches only) left every odd layer to the Triton kernel (H200, 2026-12-04)."""
+    from kvstreams_sglang.kernels.decode import _cache_pointers, _contiguous
+    from kvstreams_sglang.kv4 import side_width
+    from kvstreams_sglang.streams.pool import kv4_layers
+
+    slots = 9 * side_width(4, 16)
+    assert slots % 8
+    layers, side = kv4_layers(3, 64, slots, 4, 128)
+    for cache in layers:
+        assert all(p % 16 == 0 for p in _cache_pointers(cache)) and _contiguous(cache)
+        assert cache.k_side.shape == (slots, 4, 128) and cache.v_side_scale.shape == (slots, 4)
+    side["k_side_scale"][1, 5, 2] = 7.0  # the views are the shared tensors
+    assert layers[1].k_side_scale[5, 2] == 7.0

@@ -17,6 +17,10 @@
 # rendering, not yet re-measured: a step is then 16 episodes of each (coin25 expert episodes, CPU-counted: 2.3k
 # tokens as KV-streams or full context, 21.7k as re-prefill in 22.75 records; ~420k tokens a step). The bench stops at 530 s and writes its report: expect `all` to take two or three
 # calls on one warm machine (call again within its idle release: it continues where it stopped).
+# LEARNING_ENGINE=sglang: the RL runs generate on our SGLang server, one per run (bench.learning's [serving]). The
+# SGLang bundle (.device_sgl, 53 MB) and .devenv (38 MB) do not fit one carry: first call with .devenv (installs the
+# environments into /tmp/envsite, does SFT: `bash bench/device/learning_check.sh textworld sft`), then on the same
+# warm machine `LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld` carrying .device_sgl.
 # Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, and
 # jit_cache.tar.xz (Triton's cache: carry it as .devcache/jit_cache.tar.xz to skip the compiles next time).
 set -o pipefail
@@ -28,6 +32,12 @@ esac
 OUT=${OUT:-bench/results/check}
 mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 source bench/device/envsite.sh || exit 1
+SERVING=()
+if [ "${LEARNING_ENGINE:-builtin}" = sglang ]; then  # the RL runs' rollouts on an SGLang server per run
+  source bench/device/bundle.sh || exit 1  # carry .device_sgl (the environments are installed by an earlier call)
+  export PYTHONPATH=$PYTHONPATH:/tmp/envsite
+  SERVING=(--serving.engine sglang)
+fi
 if [ "$ENV" = alfworld ] && [ ! -d /tmp/alfworld_data/json_2.1.1 ]; then
   mkdir -p /tmp/alfworld_data && tar -xJf .devenv/alfworld-json_2.1.1-solvable.tar.xz -C /tmp/alfworld_data || exit 1
 fi
@@ -41,9 +51,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clo
 JSON="$OUT/learning_${ENV}_h200.json"
 # LEARNING_TIMEOUT: seconds for the stages (default 530); LEARNING_ARGS: config overrides for every stage (e.g. "--run.time_budget_s 150"); PYTHON: the interpreter
 BENCH=(${PYTHON:-python3} -m bench.learning --config "configs/$ENV/gpu_small.toml" --out-dir "$STATE" --json "$JSON")
-timeout ${LEARNING_TIMEOUT:-530} "${BENCH[@]}" --stage "${@:-all}" $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"
+timeout ${LEARNING_TIMEOUT:-530} "${BENCH[@]}" --stage "${@:-all}" "${SERVING[@]}" $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"
 rc=$?
-[ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
+[ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report "${SERVING[@]}" $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
 tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights \
   --exclude=expert_episodes.pt .
 (cd ~ && ls -d .triton/cache 2>/dev/null | xargs -r tar -cJf "$OUT/jit_cache.tar.xz")

@@ -62,15 +62,19 @@ def kv4_layers(num_layers: int, num_slots: int, side_slots: int, num_kv_heads: i
                device=None) -> tuple[list[KV4LayerCache], dict[str, torch.Tensor]]:
     """Per-layer KV4 caches whose INT8 side caches are views of one tensor per field across layers
     (``[L, S8, Hkv, D]`` codes, ``[L, S8, Hkv]`` scales): a step's side entries, or a whole side row,
-    are saved and restored with one copy per field instead of one per layer."""
+    are saved and restored with one copy per field instead of one per layer. Each layer's slots are padded to a
+    multiple of 8, so every layer's views start 16-byte aligned whatever ``S8`` and ``Hkv`` (the CUDA decode takes
+    only aligned caches: with 4 KV heads and an odd ``S8``, every odd layer's scales were 8 bytes off and that
+    layer fell back to the Triton kernel)."""
     h, d = num_kv_heads, head_dim
+    padded = -(-side_slots // 8) * 8
     i8, f16 = dict(dtype=torch.int8, device=device), dict(dtype=torch.float16, device=device)
-    side = {"k_side": torch.zeros(num_layers, side_slots, h, d, **i8),
-            "k_side_scale": torch.zeros(num_layers, side_slots, h, **f16),
-            "v_side": torch.zeros(num_layers, side_slots, h, d, **i8),
-            "v_side_scale": torch.zeros(num_layers, side_slots, h, **f16)}
+    side = {"k_side": torch.zeros(num_layers, padded, h, d, **i8),
+            "k_side_scale": torch.zeros(num_layers, padded, h, **f16),
+            "v_side": torch.zeros(num_layers, padded, h, d, **i8),
+            "v_side_scale": torch.zeros(num_layers, padded, h, **f16)}
     layers = [dataclasses.replace(KV4LayerCache.empty(num_slots, 0, h, d, device=device),
-                                  **{name: t[layer] for name, t in side.items()})
+                                  **{name: t[layer, :side_slots] for name, t in side.items()})
               for layer in range(num_layers)]
     return layers, side
 
