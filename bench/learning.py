@@ -88,8 +88,8 @@ class ServingConfig(Section):
     """Where the RL runs' rollouts are generated. ``sglang``: each run gets its own server, ours
     (``kvstreams_sglang.launch_server --enable-kv-streams``, plus ``--kv4rl`` where the run's ``inference.kv_dtype``
     is kv4rl), on the run's starting checkpoint with SGLang's CUDA graphs; the harness drives it as
-    ``--inference.engine sglang`` and sends it every policy update from disk with ``flush_cache=False``. Held-out
-    evaluation stays on the built-in engine (its time is not the run's). A server's start is not the run's GPU
+    ``--inference.engine sglang``, sends it every policy update from disk with ``flush_cache=False`` and plays the
+    held-out games on it too (``evaluation.on_server``; not the run's time). A server's start is not the run's GPU
     time either; the report records it."""
 
     engine: Literal["builtin", "sglang"] = Field("builtin", description="builtin: kvstreams_sglang.engine in "
@@ -333,8 +333,7 @@ class LearningBench:
             "environment": self.cfg.environment.name,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu",
             "engine": ("builtin (kvstreams_sglang.engine)" if self.cfg.serving.engine == "builtin" else
-                       "sglang (a kvstreams_sglang.launch_server per run; held-out evaluation on the built-in "
-                       "engine)"),
+                       "sglang (a kvstreams_sglang.launch_server per run, held-out games on it too)"),
             "gpu_seconds": "wall seconds of each run's RL steps on the one device (rollouts and training, "
                            "overlapped; weight syncs; drains before evaluations); held-out evaluation excluded",
             "stages_done": [s for s in STAGES if (self.out / (f"runs/{s}" if s in RUNS else s) /

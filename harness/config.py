@@ -153,14 +153,17 @@ class RunConfig(Section):
 
 
 class EvaluationConfig(Section):
-    """Held-out evaluation during RL: the policy plays the eval games through its own engine, with the run's KV
-    dtype and compaction, at a drained point (no rollout runs meanwhile, and its time is not the run's)."""
+    """Held-out evaluation during RL: the policy plays the eval games with the run's KV dtype and compaction, at a
+    drained point (no rollout runs meanwhile, and its time is not the run's): through a built-in engine of its own, or
+    on the run's SGLang server (``on_server``)."""
 
     every: int = Field(0, ge=0, description="evaluate at the start, every this many trainer steps and after the "
                                             "last one (eval.jsonl); 0: never during RL")
     temperature: float = Field(0.0, ge=0, description="0: greedy")
     splits: list[str] | None = Field(None, min_length=1, description="eval splits, each capped at "
                                      "environment.num_eval games (default: [environment.eval_split])")
+    on_server: bool = Field(True, description="inference.engine = sglang: play the eval games on the run's SGLang "
+                            "server (drained, holding the step's weights); false: on a built-in engine of its own")
 
 
 class Config(Section):

@@ -15,7 +15,7 @@ import torch
 
 from envs.rollout.agent_loop import Episode, EpisodeConfig, run_episodes
 from envs.rollout.chat import ChatRenderer
-from envs.rollout.client import BuiltinClient
+from envs.rollout.client import BuiltinClient, EngineClient
 from envs.rollout.protocol import Task, TaskSet
 from kvstreams_sglang.engine import Engine
 from trainer_masks import StreamRecord
@@ -73,22 +73,26 @@ def held_out_tasks(taskset: TaskSet, cfg: Config) -> dict[str, list[Task]]:
 
 class HeldOut:
     """Held-out evaluation of a policy being trained: one engine of its own (the run's KV dtype, pool and
-    compaction), built on first use and given the policy's weights before each evaluation."""
+    compaction), built on first use and given the policy's weights before each evaluation; or, given ``client``,
+    the run's inference server, which holds the policy's weights already (the harness syncs them every step)."""
 
-    def __init__(self, cfg: Config, model_path: str, device: torch.device, taskset: TaskSet, renderer: ChatRenderer):
+    def __init__(self, cfg: Config, model_path: str, device: torch.device, taskset: TaskSet, renderer: ChatRenderer,
+                 client: EngineClient | None = None):
         self.cfg, self.model_path, self.device = cfg, model_path, device
         self.taskset, self.renderer = taskset, renderer
         self.tasks = held_out_tasks(taskset, cfg)
         self.engine: Engine | None = None
+        self.client = client
 
     async def evaluate(self, weights: dict[str, torch.Tensor]) -> list[EvalResult]:
         """One result per split (its ``stage`` is the split's name)."""
-        self.engine = self.engine or make_engine(self.cfg, self.model_path, self.device)
-        self.engine.update_weights(weights)
+        if self.client is None:
+            self.engine = self.engine or make_engine(self.cfg, self.model_path, self.device)
+            self.engine.update_weights(weights)
         results = []
         for split, tasks in self.tasks.items():
-            result, _ = await evaluate(split, self.engine, self.taskset, tasks, self.renderer, self.cfg,
-                                       temperature=self.cfg.evaluation.temperature, seed=self.cfg.run.seed)
+            result, _ = await evaluate(split, self.client or self.engine, self.taskset, tasks, self.renderer,
+                                       self.cfg, temperature=self.cfg.evaluation.temperature, seed=self.cfg.run.seed)
             results.append(result)
         return results
 
@@ -97,15 +101,18 @@ def episode_config(cfg: Config, temperature: float) -> EpisodeConfig:
     return cfg.orchestrator.episode.model_copy(update=dict(temperature=temperature))
 
 
-async def evaluate(stage: str, engine: Engine, taskset: TaskSet, tasks: list[Task], renderer: ChatRenderer,
-                   cfg: Config, *, temperature: float = 0.0, seed: int = 0) -> tuple[EvalResult, list[Episode]]:
-    """One episode per task; a progress bar while they run."""
+async def evaluate(stage: str, engine: Engine | EngineClient, taskset: TaskSet, tasks: list[Task],
+                   renderer: ChatRenderer, cfg: Config, *, temperature: float = 0.0,
+                   seed: int = 0) -> tuple[EvalResult, list[Episode]]:
+    """One episode per task on ``engine`` (a built-in engine, or a client of any engine); a progress bar while they
+    run."""
     from rich.progress import Progress
 
-    before = engine.stats.tokens_reprefilled
+    client = BuiltinClient(engine) if isinstance(engine, Engine) else engine
+    before = client.tokens_reprefilled
     with Progress(transient=True) as progress:
         bar = progress.add_task(f"eval {stage}", total=len(tasks))
-        episodes = await run_episodes(BuiltinClient(engine), taskset.make_env, tasks, renderer, cfg.compaction,
+        episodes = await run_episodes(client, taskset.make_env, tasks, renderer, cfg.compaction,
                                       episode_config(cfg, temperature), concurrency=cfg.inference.max_streams,
                                       seed=seed, on_episode=lambda _: progress.advance(bar))
     peaks = [kv_peaks(r) for ep in episodes for r in ep.records]
@@ -115,7 +122,7 @@ async def evaluate(stage: str, engine: Engine, taskset: TaskSet, tasks: list[Tas
         mean_reward=sum(ep.reward for ep in episodes) / max(1, n),
         mean_turns=sum(ep.stats.turns for ep in episodes) / max(1, n),
         tokens_reprefilled=sum(ep.stats.tokens_reprefilled for ep in episodes)
-        + engine.stats.tokens_reprefilled - before,
+        + client.tokens_reprefilled - before,
         peak_kv_tokens=max((p for p, _ in peaks), default=0),
         full_context_tokens=max((f for _, f in peaks), default=0),
         compactions=sum(ep.stats.compactions for ep in episodes))

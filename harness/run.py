@@ -207,7 +207,9 @@ async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, ove
                         split=cfg.environment.train_split, seed=cfg.run.seed)
     metrics = MetricsLog(out / "metrics.jsonl")
     eval_log = MetricsLog(out / "eval.jsonl")
-    held_out = HeldOut(cfg, model_path, device, taskset, renderer) if cfg.evaluation.every else None
+    on_server = cfg.inference.engine == "sglang" and cfg.evaluation.on_server
+    held_out = (HeldOut(cfg, model_path, device, taskset, renderer, client=inference.client if on_server else None)
+                if cfg.evaluation.every else None)
     start, gpu_s = 0, 0.0  # gpu_s: the run's time on its devices (steps and drains; evaluation excluded)
     if state is not None:
         orch.load_state_dict(state["orchestrator"])
@@ -219,7 +221,8 @@ async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, ove
 
     async def evaluate_at(step: int) -> None:
         for result in await held_out.evaluate(trainer.engine_weights()):
-            eval_log.log({"step": step, "gpu_s": gpu_s, "split": result.stage, **result.as_dict()})
+            eval_log.log({"step": step, "gpu_s": gpu_s, "split": result.stage, "on_server": on_server,
+                          **result.as_dict()})
 
     if held_out is not None and not any(r["step"] == start for r in eval_log.rows()):
         await evaluate_at(start)  # the starting policy (a resumed run evaluated at its checkpoint already)

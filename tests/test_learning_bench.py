@@ -150,8 +150,9 @@ def test_sampler_fidelity_at_length_of_the_sft_checkpoint(bench_state):
 
 def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
     """``--serving.engine sglang``: each run starts its own server (ours, KV-streams; kv4rl for kv_streams, bf16 for
-    re-prefill) on the SFT checkpoint, trains against it, records the server's start and flags, and stops it; the
-    run's points and the report are those of the built-in path (nothing re-prefilled under KV-streams)."""
+    re-prefill) on the SFT checkpoint, trains and evaluates against it, records the server's start and flags, and
+    stops it; the run's points and the report are those of the built-in path (nothing re-prefilled under
+    KV-streams)."""
     import shutil
 
     out, games, _ = bench_state
@@ -172,5 +173,7 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
         rows = (tmp_path / "state" / "runs" / name / "metrics.jsonl").read_text().splitlines()
         last = json.loads(rows[-1])  # the harness's SGLang client served the turns
         assert last["sglang_turns"] > 0 and last["sglang_cached_tokens_lost"] == 0
+        evals = [json.loads(x) for x in (tmp_path / "state" / "runs" / name / "eval.jsonl").read_text().splitlines()]
+        assert evals and all(e["on_server"] for e in evals)  # held-out games played on the run's server too
     assert report["runs"]["kv_streams"]["tokens_reprefilled"] == 0
     assert report["runs"]["reprefill"]["tokens_reprefilled"] > 0

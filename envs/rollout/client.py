@@ -39,6 +39,12 @@ class EngineClient(Protocol):
     @property
     def policy_version(self) -> int: ...
 
+    @property
+    def tokens_reprefilled(self) -> int:
+        """Tokens the engine computed again on its own so far (streams restored after it evicted them under memory
+        pressure): not the episodes' re-prefill compaction, which the agent loop counts."""
+        ...
+
 
 class BuiltinClient:
     """``EngineClient`` over the in-process engine (all episodes share its batches)."""
@@ -72,6 +78,10 @@ class BuiltinClient:
         # Synchronous on purpose: it runs between two scheduler steps of the engine's loop, so
         # streams with a generation in flight are recomputed too (their pending token stays pending).
         return self.engine.reprefill(sids)
+
+    @property
+    def tokens_reprefilled(self) -> int:
+        return self.engine.stats.tokens_reprefilled
 
     async def close(self, sid, **meta):
         record = self.engine.stream_record(sid, **meta)

@@ -194,6 +194,11 @@ class _Streams:
         self.stats = dict(turns=0, turns_across_updates=0, cached_tokens_lost=0, prefix_hit_tokens=0, restores=0,
                           tokens_reprefilled=0)
 
+    @property
+    def tokens_reprefilled(self) -> int:
+        """``EngineClient.tokens_reprefilled``: the restores' tokens."""
+        return self.stats["tokens_reprefilled"]
+
     # ---- protocol steps (generators of Calls) ----
     def _open(self, stream: list[int] | StreamLedger, shared_prefix_len: int | None) -> Generator[Call, object, int]:
         ledger = stream if isinstance(stream, StreamLedger) else StreamLedger(stream)

@@ -81,6 +81,10 @@ class StreamRouter:
             total.update(c.stats)
         return dict(total)
 
+    @property
+    def tokens_reprefilled(self) -> int:
+        return self.stats.get("tokens_reprefilled", 0)
+
     async def open(self, stream, *, shared_prefix_len: int | None = None) -> int:
         key = prompt_key(stream, shared_prefix_len, self.policy_version)
         i = self._pick(key)
