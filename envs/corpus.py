@@ -36,7 +36,7 @@ def episode_texts(taskset: TaskSet, split: str, *, max_steps: int = 50, workers:
 
     def play(task: Task) -> list[str]:
         if not hasattr(local, "env"):
-            local.env = taskset.make_env()
+            local.env = taskset.make_env(expert=True)
             envs.append(local.env)
         return expert_episode_text(local.env, task, max_steps=max_steps)
 

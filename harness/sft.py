@@ -184,7 +184,7 @@ async def _play_expert(taskset: TaskSet, tasks: list[Task], renderer: ChatRender
 
     async def one(i: int) -> list[StreamRecord]:
         async with sem:
-            env = taskset.make_env()
+            env = taskset.make_env(expert=True)
             client = ExpertClient(env, renderer, detour=config.detour, detours=config.detours, seed=seed + i)
             ep = await run_episode(client, env, tasks[i % len(tasks)], renderer, compaction, episode)
         if on_episode is not None:

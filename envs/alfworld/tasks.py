@@ -42,8 +42,11 @@ class AlfWorldTasks:
         return [Task(trial_id, split, {"gamefile": str(game), "task_type": trial_id.split("/")[1].split("-")[0]})
                 for trial_id, game in self.files.games(split)]
 
-    def make_env(self) -> AlfWorldEnv:
+    def make_env(self, expert: bool = False) -> AlfWorldEnv:
         c = self.config
+        if expert and not c.expert:  # the pool's processes run the expert or not, for every environment
+            raise ValueError("an ALFWorld environment with its expert was asked for (SFT data, the BPE corpus), but "
+                             "environment.options.expert = false starts the game processes without it")
         return AlfWorldEnv(self.pool, max_steps=c.max_steps, win_reward=c.win_reward, list_commands=c.list_commands)
 
     def close(self) -> None:

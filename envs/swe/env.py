@@ -192,5 +192,5 @@ class SweTaskSet:
             raise KeyError(f"unknown split {split!r}; have {sorted(self.splits)}")
         return [Task(i.instance_id, split, i.model_dump()) for i in self.splits[split]]
 
-    def make_env(self) -> SweEnv:
+    def make_env(self, expert: bool = False) -> SweEnv:  # the expert (the gold patch) costs nothing
         return SweEnv(self.workspaces, self.config)
