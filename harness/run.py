@@ -66,9 +66,10 @@ def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
         corpus = None
         if t.vocab == "bpe":
             from envs.corpus import episode_texts
+            from envs.cpus import usable_cpus
 
             e = cfg.environment
-            corpus = episode_texts(make_taskset(e.name, e.options), e.train_split, workers=os.cpu_count() or 1)
+            corpus = episode_texts(make_taskset(e.name, e.options), e.train_split, workers=usable_cpus())
         build_tiny_model(path, num_layers=t.num_layers, hidden_size=t.hidden_size, num_heads=t.num_heads,
                          num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
                          vocab=t.vocab, corpus=corpus, vocab_size=t.vocab_size, seed=t.seed)

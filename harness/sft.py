@@ -24,7 +24,6 @@ import asyncio
 import io
 import itertools
 import multiprocessing
-import os
 import random
 import shutil
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from envs.cpus import usable_cpus
 from envs.rollout.agent_loop import EpisodeConfig, run_episode
 from envs.rollout.chat import ChatRenderer
 from envs.rollout.compaction import CompactionConfig
@@ -357,7 +357,7 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
         episodes, probe = cached["episodes"], cached["probe"]
         console.print(f"expert episodes from {cache}")
     else:
-        workers = sft.expert_workers or os.cpu_count() or 1
+        workers = sft.expert_workers or usable_cpus()
         with Progress(transient=True, console=console) as progress:
             bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
             episodes, probe = [], []  # episodes: per rendering, per episode, its records; probe: per rendering

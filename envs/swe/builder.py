@@ -17,7 +17,6 @@ Everything the mutated code runs runs in the sandbox: a mutant can delete files 
 from __future__ import annotations
 
 import hashlib
-import os
 import random
 import shutil
 import tempfile
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..cpus import usable_cpus
 from . import git
 from .grading import evaluate
 from .hidden_tests import remove_tests
@@ -53,7 +53,7 @@ class BuildConfig(BaseModel):
     max_per_function: int = Field(1, ge=1, description="instances per mutated function (diversity)")
     hide_tests: bool = Field(True, description="remove FAIL_TO_PASS tests from base_commit; test_patch restores them")
     validate_grading: bool = Field(True, description="grade gold (must resolve) and empty (must not) patches")
-    workers: int = Field(max(1, os.cpu_count() or 1), ge=1)
+    workers: int = Field(usable_cpus(), ge=1)
     suite_timeout_s: float = Field(180.0, gt=0, description="one run of a library's test suite")
     slowdown: float = Field(8.0, gt=1, description="a mutant whose suite runs this much slower than the clean "
                                                    "one is dropped (it loops)")

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ..cpus import usable_cpus
 from .presets import CUSTOM, PRESETS, Preset, first_seed
 
 EXTENSIONS = (".json", ".ni", ".z8")  # the story last: its presence marks a complete game
@@ -134,7 +135,7 @@ def generate_games(specs: list[GameSpec], cache_dir: Path | None = None, *, work
     for item in missing:
         todo.put(item)
     if missing:
-        workers = max(1, min(workers or os.cpu_count() or 1, len(missing)))
+        workers = max(1, min(workers or usable_cpus(), len(missing)))
         with tqdm(total=len(missing), desc="textworld games", unit="game", disable=not progress) as bar, \
                 ThreadPoolExecutor(workers) as pool:
             for future in [pool.submit(_drain, todo, bar) for _ in range(workers)]:
