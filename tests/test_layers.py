@@ -27,6 +27,7 @@ LAYERS = [
     "kvstreams_sglang.sglang_ext",  # 4: the SGLang integration
     "kvstreams_sglang.launch_server",
     "kvstreams_sglang.kv4_report",
+    "envs.cpus",  # 5: the CPUs worker pools may use (no project imports)
     "envs.rollout",  # 5: agent loop, engine client, compaction, chat
     "envs.toy",  # 6: environments
     "envs.textworld",
