@@ -100,7 +100,6 @@ from .sglang_servers import (
 )
 from .trace_summary import summarize_dir
 
-ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path(__file__).parent / "results" / "rollout_sglang_h200.json"
 DECODE_LOG_INTERVAL = 10  # sglang_servers.COMMON
 FORWARD_SECONDS = "sglang:forward_execution_seconds_total"
