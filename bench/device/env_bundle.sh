@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Build the carry-able environments for the learning bench on the GPU device (Python 3.12, torch 2.11, no registry
 # there): TextWorld, ALFWorld and what the harness needs beyond the device image, plus the ALFWorld game archive.
-# Usage (in the project root, on your machine):  bash bench/device/env_bundle.sh [OUT_DIR=.devenv]
+# Usage (in the project root, on your machine):  bash bench/device/env_bundle.sh [OUT_DIR=.devenv] [all|textworld]
+# `textworld`: TextWorld's wheels alone (~6 MB; no ALFWorld, no transformers/tokenizers/pydantic, which the SGLang
+# bundle carries), to carry beside .device_sgl (53 MB) in one call: ENV_BUNDLE=OUT_DIR LEARNING_ENGINE=sglang
+# bash bench/device/learning_check.sh textworld does SFT and the runs on one carry.
 # Produces OUT_DIR/whl/*.whl and OUT_DIR/alfworld-json_2.1.1-solvable.tar.xz (~25 MB together; the device's carry
 # limit is 64 MiB a call). OUT_DIR is ignored by git (.gitignore); carry it: bench/device/learning_check.sh installs
 # the wheels into /tmp/envsite once per machine. ALFWORLD_ARCHIVE: the archive, if not at ../shared/data/alfworld.
@@ -14,8 +17,20 @@
 # image has 5.17 / 0.23). numpy, networkx, tqdm, rich, matplotlib, torch come from the image.
 set -euo pipefail
 out="${1:-.devenv}"
+what="${2:-all}"
 py="${PYTHON:-python3}"
 mkdir -p "$out/whl"
+download=("$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d "$out/whl")
+if [ "$what" = textworld ]; then  # TextWorld's own needs (fast-downward is ALFWorld's PDDL planner: left out)
+  "${download[@]}" typing-extensions==4.16.0 textworld==1.7.0 tatsu==5.8.3 hashids==1.3.1 mementos==1.3.1 \
+    more-itertools==11.2.1 termcolor==3.3.0
+  "$py" -m pip wheel -q --no-deps -w "$out/whl" jericho==3.3.1
+  du -sh "$out"/whl
+  exit 0
+fi
+[ "$what" = all ] || { echo "usage: bash bench/device/env_bundle.sh [OUT_DIR] [all|textworld]"; exit 2; }
 "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d "$out/whl" \

@@ -1,9 +1,9 @@
 # Source from the repository root on the GPU device: installs the carried environment wheels (.devenv, built here
 # by bench/device/env_bundle.sh: pydantic, transformers 5.12.1, TextWorld, ALFWorld, ...) into /tmp/envsite once
-# per machine, restores a carried Triton JIT cache (.devcache/jit_cache.tar.xz), and exports the paths.
+# per machine (ENV_BUNDLE: another bundle folder, e.g. env_bundle.sh's TextWorld-only one), restores a carried Triton JIT cache (.devcache/jit_cache.tar.xz), and exports the paths.
 if [ ! -f /tmp/envsite/.installed ]; then
-  [ -d .devenv/whl ] || { echo "environments missing: bash bench/device/env_bundle.sh, then carry .devenv"; return 1; }
-  ${PYTHON:-python3} -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/envsite .devenv/whl/*.whl \
+  [ -d "${ENV_BUNDLE:-.devenv}/whl" ] || { echo "environments missing: bash bench/device/env_bundle.sh, then carry ${ENV_BUNDLE:-.devenv}"; return 1; }
+  ${PYTHON:-python3} -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/envsite "${ENV_BUNDLE:-.devenv}"/whl/*.whl \
     && touch /tmp/envsite/.installed || return 1
 fi
 if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then

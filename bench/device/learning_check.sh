@@ -20,7 +20,10 @@
 # LEARNING_ENGINE=sglang: the RL runs generate on our SGLang server, one per run (bench.learning's [serving]). The
 # SGLang bundle (.device_sgl, 53 MB) and .devenv (38 MB) do not fit one carry: first call with .devenv (installs the
 # environments into /tmp/envsite, does SFT: `bash bench/device/learning_check.sh textworld sft`), then on the same
-# warm machine `LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld` carrying .device_sgl.
+# warm machine `LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld` carrying .device_sgl. Or all on
+# one carry, for TextWorld: `bash bench/device/env_bundle.sh .devenv_tw textworld` (~5 MB) and
+# `ENV_BUNDLE=.devenv_tw LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld`, carrying .device_sgl
+# and .devenv_tw (a fresh machine then needs no earlier call).
 # Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, and
 # jit_cache.tar.xz (Triton's cache: carry it as .devcache/jit_cache.tar.xz to skip the compiles next time).
 set -o pipefail
