@@ -94,8 +94,8 @@ class ServingConfig(Section):
 
     engine: Literal["builtin", "sglang"] = Field("builtin", description="builtin: kvstreams_sglang.engine in "
                                                  "the bench's process; sglang: a server per run")
-    mem_fraction_static: float = Field(0.3, gt=0, lt=1, description="the server's share of GPU memory (the trainer "
-                                       "and the evaluation engine share the device)")
+    mem_fraction_static: float = Field(0.3, gt=0, lt=1, description="the server's share of GPU memory at most (the "
+                                       "trainer shares the device); its KV pool is the run's inference.kv_slots")
     max_total_tokens: int = Field(65536, ge=1024, description="the server's KV pool on the CPU (CI), in tokens")
     flags: list[str] = Field([], description="more launch_server flags, as on its command line")
     start_timeout_s: float = Field(900.0, gt=0)
@@ -159,8 +159,9 @@ def rollout_server(cfg: Config, serving: ServingConfig, log_path: Path):
     if i.device == "cpu":
         cpu_flags, env = cpu_flags_env(serving.max_total_tokens)
         flags += cpu_flags
-    else:
-        flags += ["--mem-fraction-static", str(serving.mem_fraction_static)]
+    else:  # the built-in engine's KV budget (inference.kv_slots), within the memory share: both engines hold as
+        # many tokens, and the server does not size its pool (and what scales with it) to a third of the GPU
+        flags += ["--mem-fraction-static", str(serving.mem_fraction_static), "--max-total-tokens", str(i.kv_slots)]
     return Server(ServerConfig(log_path.stem, OURS), cfg.model.path, free_port(), log_path,
                   flags=[*flags, *serving.flags], env=env)
 

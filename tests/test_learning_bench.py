@@ -177,3 +177,17 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
         assert evals and all(e["on_server"] for e in evals)  # held-out games played on the run's server too
     assert report["runs"]["kv_streams"]["tokens_reprefilled"] == 0
     assert report["runs"]["reprefill"]["tokens_reprefilled"] > 0
+
+
+def test_a_gpu_runs_server_holds_the_builtin_engines_kv_budget(tmp_path):
+    """On a GPU the run's server gets the built-in engine's KV budget (``inference.kv_slots``) within its memory
+    share, and kv4rl only for the kv4rl run; built, not started (no GPU needed)."""
+    from bench.learning import rollout_server, run_config
+
+    cfg = load_config("configs/textworld/gpu_small.toml", [], schema=LearningConfig)
+    for name, kv4rl in (("kv_streams", True), ("reprefill", False)):
+        rcfg = run_config(cfg, name, str(tmp_path / "model"), tmp_path / name)
+        flags = rollout_server(rcfg, cfg.serving, tmp_path / f"{name}.log").command()
+        assert flags[flags.index("--max-total-tokens") + 1] == str(cfg.inference.kv_slots)
+        assert flags[flags.index("--mem-fraction-static") + 1] == str(cfg.serving.mem_fraction_static)
+        assert ("--kv4rl" in flags) == kv4rl and "--enable-kv-streams" in flags
