@@ -160,7 +160,7 @@ def rollout_server(cfg: Config, serving: ServingConfig, log_path: Path):
         cpu_flags, env = cpu_flags_env(serving.max_total_tokens)
         flags += cpu_flags
     else:  # the built-in engine's KV budget (inference.kv_slots), within the memory share: both engines hold as
-        # many tokens, and the server does not size its pool (and what scales with it) to a third of the GPU
+        # many tokens, and the rest of the share stays free for the trainer
         flags += ["--mem-fraction-static", str(serving.mem_fraction_static), "--max-total-tokens", str(i.kv_slots)]
     return Server(ServerConfig(log_path.stem, OURS), cfg.model.path, free_port(), log_path,
                   flags=[*flags, *serving.flags], env=env)

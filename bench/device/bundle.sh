@@ -6,8 +6,6 @@ if [ ! -d /tmp/site/sglang ]; then
   mkdir -p /tmp/site && tar -xJf .device_sgl/site.tar.xz -C /tmp/site && \
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .device_sgl/tf/*.whl || return 1
 fi
-if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then
-  tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch /tmp/.jit_restored && echo "JIT cache restored"
-fi
+source bench/device/jit_cache.sh && jit_cache_restore
 # stand-ins for what the bundle leaves out and SGLang imports at start-up (bench/device/stubs/*: why, in each)
 export PYTHONPATH=/tmp/site:$PWD/bench/device/stubs:$PWD PYTHONUNBUFFERED=1

@@ -6,7 +6,5 @@ if [ ! -f /tmp/envsite/.installed ]; then
   ${PYTHON:-python3} -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/envsite "${ENV_BUNDLE:-.devenv}"/whl/*.whl \
     && touch /tmp/envsite/.installed || return 1
 fi
-if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then
-  tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch /tmp/.jit_restored && echo "JIT cache restored"
-fi
+source bench/device/jit_cache.sh && jit_cache_restore
 export PYTHONPATH=/tmp/envsite:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -25,7 +25,8 @@
 # `ENV_BUNDLE=.devenv_tw LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld`, carrying .device_sgl
 # and .devenv_tw (a fresh machine then needs no earlier call).
 # Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, and
-# jit_cache.tar.xz (Triton's cache: carry it as .devcache/jit_cache.tar.xz to skip the compiles next time).
+# jit_cache.tar.xz (the JIT caches, bench/device/jit_cache.sh: carry it as .devcache/jit_cache.tar.xz to skip the
+# compiles next time).
 set -o pipefail
 ENV=$1
 case $ENV in
@@ -59,5 +60,5 @@ rc=$?
 [ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report "${SERVING[@]}" $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
 tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights \
   --exclude=expert_episodes.pt .
-(cd ~ && ls -d .triton/cache 2>/dev/null | xargs -r tar -cJf "$OUT/jit_cache.tar.xz")
+jit_cache_save "$OUT"
 exit $rc

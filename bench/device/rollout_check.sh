@@ -52,6 +52,5 @@ esac
 rc=$?
 [ -d "$OUT/logs" ] && tar -cJf "$OUT/server_logs.tar.xz" -C "$OUT/logs" . && rm -rf "$OUT/logs"
 rm -rf "$OUT/profiles"  # summarised into the JSON; the traces are too large to bring back
-# xz -9: the cache travels back with the 53 MB bundle (64 MiB a call); -1 made it 2.7x larger
-(cd ~ && ls -d .cache/flashinfer .triton/cache 2>/dev/null | xargs -r tar -cf - | xz -9 -T0 > "$OUT/jit_cache.tar.xz")
+jit_cache_save "$OUT"
 exit $rc

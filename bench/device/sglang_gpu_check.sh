@@ -12,14 +12,13 @@ source bench/device/bundle.sh || exit 1
 #      the breakable graph, three concurrent streams (a batch padded 3 -> 4), evictions between turns, a weight
 #      update from disk without flush (pool untouched, nothing re-prefilled), logprobs against the built-in engine;
 #    - the decode kernel tests (CUDA kernel variants, graph plans, captured store + decode replays);
-# 3. tars ~/.cache/flashinfer and Triton's cache into $OUT/jit_cache.tar.xz (split into < 16 MiB parts if larger:
+# 3. tars the JIT caches (bench/device/jit_cache.sh) into $OUT/jit_cache.tar.xz (split into < 15 MiB parts if larger:
 #    `cat jit_cache.tar.xz.part* > jit_cache.tar.xz`) for later runs to carry as .devcache/jit_cache.tar.xz.
 # Results in $OUT (or bench/results/sglang_gpu_check): pytest.log, sglang_gpu_server.log, env.txt, the JIT cache.
 set -o pipefail
 OUT=${OUT:-bench/results/sglang_gpu_check}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OUT
-TRITON_CACHE=${TRITON_CACHE_DIR:-$HOME/.triton/cache}
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton, transformers, sglang; print('torch', torch.__version__, 'triton', triton.__version__,
@@ -35,13 +34,5 @@ timeout ${PYTEST_TIMEOUT:-510} python3 -m pytest -q -p no:cacheprovider -rA -s -
   ${KVS_TESTS:-tests/test_sglang_gpu.py tests/test_kernels_decode.py} ${PYTEST_X--x} 2>&1 | tee "$OUT/pytest.log" | tail -60
 rc=$?
 
-dirs=()
-for d in "$HOME/.cache/flashinfer" "$TRITON_CACHE"; do [ -d "$d" ] && dirs+=("${d#"$HOME"/}"); done
-if [ ${#dirs[@]} -gt 0 ]; then
-  tar -cf - -C "$HOME" "${dirs[@]}" | xz -6 -T0 > "$OUT/jit_cache.tar.xz"
-  if [ "$(stat -c %s "$OUT/jit_cache.tar.xz")" -gt $((15 * 1024 * 1024)) ]; then
-    split -b 15M -d "$OUT/jit_cache.tar.xz" "$OUT/jit_cache.tar.xz.part" && rm "$OUT/jit_cache.tar.xz"
-  fi
-  ls -la "$OUT" | tee -a "$OUT/env.txt"
-fi
+jit_cache_save "$OUT" && ls -la "$OUT" | tee -a "$OUT/env.txt"
 exit $rc
