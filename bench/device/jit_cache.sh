@@ -5,9 +5,10 @@
 # What is cached: Triton's kernels (ours, SGLang's), FlashInfer's, and sgl-kernel's JIT kernels built by nvcc through
 # tvm-ffi (~/.cache/tvm-ffi: norms, RoPE, activation per shape). On a fresh H200 these made a learning server's
 # first start take 123 s (78 s "capturing" the prefill graphs) against 42 s (3 s) for the next one (2026-12-05).
-jit_cache_restore() {
-  if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f /tmp/.jit_restored ]; then
-    tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch /tmp/.jit_restored && echo "JIT cache restored"
+jit_cache_restore() {  # JIT_RESTORED: the machine's mark that it was done
+  local mark=${JIT_RESTORED:-/tmp/.jit_restored}
+  if [ -f .devcache/jit_cache.tar.xz ] && [ ! -f "$mark" ]; then
+    tar -xJf .devcache/jit_cache.tar.xz -C "$HOME" && touch "$mark" && echo "JIT cache restored"
   fi
 }
 

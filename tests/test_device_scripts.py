@@ -1,0 +1,35 @@
+"""The GPU device's shell scripts (``bench/device/``) parse, and the JIT caches they carry between machines survive
+a save on one "machine" and a restore on another (two temporary homes; no GPU needed)."""
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = sorted((ROOT / "bench" / "device").glob("*.sh"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_device_script_parses(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+def test_jit_caches_travel_from_one_home_to_another(tmp_path):
+    first, second, out = tmp_path / "first", tmp_path / "second", tmp_path / "out"
+    for rel in (".cache/tvm-ffi/sgl_kernel_jit_qknorm/k.so", ".cache/flashinfer/f.so", ".triton/cache/ABC/k.cubin"):
+        (first / rel).parent.mkdir(parents=True)
+        (first / rel).write_text(rel)
+    out.mkdir()
+    (tmp_path / "repo" / ".devcache").mkdir(parents=True)
+    save = f"source {ROOT}/bench/device/jit_cache.sh && jit_cache_save {out}"
+    subprocess.run(["bash", "-c", save], check=True, env={"HOME": str(first), "PATH": "/usr/bin:/bin"})
+    (out / "jit_cache.tar.xz").rename(tmp_path / "repo" / ".devcache" / "jit_cache.tar.xz")
+    second.mkdir()
+    restore = f"source {ROOT}/bench/device/jit_cache.sh && jit_cache_restore && jit_cache_restore"
+    env = {"HOME": str(second), "PATH": "/usr/bin:/bin", "JIT_RESTORED": str(tmp_path / "restored")}
+    done = subprocess.run(["bash", "-c", restore], check=True, cwd=tmp_path / "repo", env=env, capture_output=True,
+                          text=True)
+    assert done.stdout.count("JIT cache restored") == 1  # once per machine
+    got = sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file())
+    assert got == [".cache/flashinfer/f.so", ".cache/tvm-ffi/sgl_kernel_jit_qknorm/k.so", ".triton/cache/ABC/k.cubin"]
