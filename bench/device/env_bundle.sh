@@ -2,7 +2,7 @@
 # Build the carry-able environments for the learning bench on the GPU device (Python 3.12, torch 2.11, no registry
 # there): TextWorld, ALFWorld and what the harness needs beyond the device image, plus the ALFWorld game archive.
 # Usage (in the project root, on your machine):  bash bench/device/env_bundle.sh [OUT_DIR=.devenv] [all|textworld]
-# `textworld`: TextWorld's wheels alone (~6 MB; no ALFWorld, no transformers/tokenizers/pydantic, which the SGLang
+# `textworld`: TextWorld's wheels alone (~5 MB; no ALFWorld, no transformers/tokenizers/pydantic, which the SGLang
 # bundle carries), to carry beside .device_sgl (53 MB) in one call: ENV_BUNDLE=OUT_DIR LEARNING_ENGINE=sglang
 # bash bench/device/learning_check.sh textworld does SFT and the runs on one carry.
 # Produces OUT_DIR/whl/*.whl and OUT_DIR/alfworld-json_2.1.1-solvable.tar.xz (~25 MB together; the device's carry
@@ -31,10 +31,7 @@ if [ "$what" = textworld ]; then  # TextWorld's own needs (fast-downward is ALFW
   exit 0
 fi
 [ "$what" = all ] || { echo "usage: bash bench/device/env_bundle.sh [OUT_DIR] [all|textworld]"; exit 2; }
-"$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
-  --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_5_x86_64 -d "$out/whl" \
-  pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
+"${download[@]}" pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 \
   transformers==5.12.1 tokenizers==0.22.2 \
   textworld==1.7.0 alfworld==0.4.2 tatsu==5.8.3 hashids==1.3.1 mementos==1.3.1 more-itertools==11.2.1 \
   termcolor==3.3.0 prompt-toolkit==3.0.53 wcwidth==0.9.4

@@ -1,6 +1,7 @@
 # Source from the repository root on the GPU device: installs the carried environment wheels (.devenv, built here
 # by bench/device/env_bundle.sh: pydantic, transformers 5.12.1, TextWorld, ALFWorld, ...) into /tmp/envsite once
-# per machine (ENV_BUNDLE: another bundle folder, e.g. env_bundle.sh's TextWorld-only one), restores a carried Triton JIT cache (.devcache/jit_cache.tar.xz), and exports the paths.
+# per machine (ENV_BUNDLE: another bundle folder, e.g. env_bundle.sh's TextWorld-only one), restores the carried JIT
+# caches (bench/device/jit_cache.sh), and exports the paths.
 if [ ! -f /tmp/envsite/.installed ]; then
   [ -d "${ENV_BUNDLE:-.devenv}/whl" ] || { echo "environments missing: bash bench/device/env_bundle.sh, then carry ${ENV_BUNDLE:-.devenv}"; return 1; }
   ${PYTHON:-python3} -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/envsite "${ENV_BUNDLE:-.devenv}"/whl/*.whl \
