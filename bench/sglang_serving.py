@@ -10,7 +10,8 @@ generation throughput of each interval, and whether the steps ran a CUDA graph).
 fit a server's KV pool is reported as such. Also per server: how many 8k-token streams its pool holds
 at once, and the byte floor of a step (weights + the step's KV bytes over the measured device-to-device
 copy bandwidth). Last, the monitored logprob gap: greedy continuations of the same prompts on each
-server against stock bf16, compared on their common prefix of tokens.
+server against stock bf16, compared on their common prefix of tokens. ``--configs ...,kv4rl_hf`` adds ours
+with ``--hf-numerics`` (HF's rounding in the model: what on-policy logprobs cost a step).
 """
 
 from __future__ import annotations
@@ -31,7 +32,10 @@ CONFIGS = {
     "stock_fp8": ServerConfig("stock_fp8", STOCK, ("--attention-backend", "flashinfer",
                                                    "--kv-cache-dtype", "fp8_e4m3")),
     "kv4rl": ServerConfig("kv4rl", OURS, ("--kv4rl", "--enable-kv-streams")),
+    # the same with HF's rounding in the model (``--hf-numerics``): what on-policy logprobs cost per step
+    "kv4rl_hf": ServerConfig("kv4rl_hf", OURS, ("--kv4rl", "--enable-kv-streams", "--hf-numerics")),
 }
+DEFAULT_CONFIGS = "stock_bf16,stock_fp8,kv4rl"
 STREAM_TOKENS = 8192
 
 
@@ -40,7 +44,7 @@ def kv_bytes_per_step(name: str, shape, batch: int, context: int) -> float:
     from kvstreams_sglang.streams.pool import KV4Pool
 
     dims = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
-    if name == "kv4rl":  # the sink + recent positions are read from the INT8 side cache instead
+    if name.startswith("kv4rl"):  # the sink + recent positions are read from the INT8 side cache instead
         side = min(context, 16 + 128)
         return batch * ((context - side) * KV4Pool.bytes_per_token(*dims) + side * KV4Pool.side_bytes_per_token(*dims))
     return batch * context * shape.kv_bytes_per_token(1.0 if name == "stock_fp8" else 2.0)
@@ -117,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--model", required=True, help="checkpoint (python -m kvstreams_sglang.checkpoints DIR "
                                                    "--shape qwen3-4b --dtype bfloat16 --device cuda)")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS, help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--shapes", default="64x4096,64x8192,128x8192,256x8192")
     ap.add_argument("--decode-tokens", type=int, default=160)
     ap.add_argument("--mem-fraction", type=float, default=0.85)
@@ -190,6 +194,10 @@ def ratios(result: dict) -> dict:
     ours = s.get("kv4rl")
     if not ours:
         return out
+    for key, r in s.get("kv4rl_hf", {}).get("shapes", {}).items():  # what --hf-numerics costs a decode step
+        b = ours["shapes"].get(key, {})
+        if r.get("ms_per_step") and b.get("ms_per_step"):
+            out[f"kv4rl_hf_step_over_kv4rl_{key}"] = r["ms_per_step"] / b["ms_per_step"]
     for base in ("stock_bf16", "stock_fp8"):
         if base not in s:
             continue

@@ -97,9 +97,10 @@ def test_sglang_logprobs_equal_trainer_replay(run, hf_model, request):
     assert float(diff.max()) <= 1e-4
 
 
-def builtin_kv4_turns(model: Path, **kv4: int) -> list[tuple[list[int], list[float]]]:
+def builtin_kv4_turns(model: Path, dtype: torch.dtype = torch.float32,
+                      **kv4: int) -> list[tuple[list[int], list[float]]]:
     """The same session on our built-in engine with kv4rl KV (``kv4``: its sink / recent)."""
-    eng = Engine(str(model), kv_dtype="kv4rl", kv_slots=2048, max_streams=4, dtype=torch.float32, **kv4)
+    eng = Engine(str(model), kv_dtype="kv4rl", kv_slots=2048, max_streams=4, dtype=dtype, **kv4)
     sid = eng.open_stream(script.PROMPT)
     out = []
     for t, obs in enumerate([None, *script.OBS[:3]]):
@@ -126,6 +127,26 @@ def test_kv4rl_logprobs_equal_builtin_engine(kv4_run, tiny_model_path, hf_model)
           f"mean {gap.mean():.2e} max {gap.max():.2e}")
     assert kv4_run["pool_start"]["pool"] == "KV4TokenToKVPool"
     assert float(diff.max()) <= 1e-4
+
+
+@pytest.fixture(scope="module")
+def kv4_bf16_hf_run(tiny_model_path, tmp_path_factory):
+    return run_session(tiny_model_path, tmp_path_factory.mktemp("sgl") / "kv4_bf16_hf.json", "--kv4rl", "--dtype",
+                       "bfloat16", "--hf-numerics", "--only-main")
+
+
+def test_hf_numerics_kv4rl_bf16_logprobs_equal_builtin_engine_bit_for_bit(kv4_bf16_hf_run, tiny_model_path):
+    """In bf16, where rounding shows: with ``--hf-numerics`` SGLang's model rounds as HF's (which the built-in engine
+    runs), so the same kv4rl stream quantises the same K/V into the same INT4 codes and gives the same logprobs, to
+    the bit. Without the flag the norms, RoPE, activation and merged GEMMs round otherwise and INT4 turns last bits
+    into code steps (this session without it: max 3.6e-3; a 4-layer hidden-1024 model: max 2.0e-2, mean 6.6e-3)."""
+    assert kv4_bf16_hf_run["pool_start"]["pool"] == "KV4TokenToKVPool"
+    builtin = builtin_kv4_turns(tiny_model_path, dtype=torch.bfloat16)
+    assert [t["tokens"] for t in kv4_bf16_hf_run["turns"]] == [toks for toks, _ in builtin]
+    ours = torch.tensor([lp for _, lps in builtin for lp in lps], dtype=torch.float64)
+    diff = (model_logprobs(kv4_bf16_hf_run) - ours).abs()
+    print(f"sglang --hf-numerics kv4rl vs built-in kv4rl, bf16: max |diff| {diff.max():.2e}")
+    assert float(diff.max()) == 0.0
 
 
 def test_kv4rl_ring_under_overlap_scheduling_equals_builtin_engine(tiny_model_path, tmp_path):
@@ -289,6 +310,8 @@ cases = {
     "dp": dict(enable_kv_streams=True, enable_dp_attention=True),
     "turn_batch": dict(kv4rl=True, kv_streams_turn_batch_ratio=0.25),
     "turn_batch_ratio": dict(enable_kv_streams=True, kv_streams_turn_batch_ratio=-1.0),
+    "hf_compile": dict(hf_numerics=True, enable_torch_compile=True),
+    "hf_on_policy": dict(hf_numerics=True, rl_on_policy_target="fsdp"),
 }
 cuda_cases = {  # graph modes are checked on the resolved config (device cuda: it resolves on a CPU box too)
     "prefill_graph": dict(kv4rl=True, cuda_graph_backend_prefill="tc_piecewise"),
@@ -332,6 +355,8 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "json prefill graphs full 64 full" in out  # SGLang's JSON form (bench.rollout_sglang's slots), decode kept
     assert "--enable-torch-compile" in out and "--enable-mixed-chunk" in out and "--prefill-attention-backend" in out
     assert "graphs full radix off True" in out  # --kv4rl keeps decode graphs on; its side cache is per row
+    assert "--hf-numerics does not support --enable-torch-compile" in out
+    assert "--hf-numerics does not support --rl-on-policy-target" in out
 
 
 def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):

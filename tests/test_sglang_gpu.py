@@ -137,7 +137,10 @@ def server(model_path, tmp_path_factory):
              "--context-length", "4096", "--decode-log-interval", "1",
              # logprobs from an fp32 LM head, as the built-in engine and the trainer compute them (SGLang's default
              # bf16 head alone puts ~1e-2 on every logprob: H200, 2026-12-02, max 4.3e-2 / mean 9.5e-3)
-             "--enable-fp32-lm-head"]
+             "--enable-fp32-lm-head",
+             # norms, RoPE, activation and projections rounded as HF rounds them (the built-in engine runs HF's model):
+             # without it, on the CPU in bf16, max 2.0e-2 / mean 6.6e-3 on this model's shape (bit-equal with it)
+             "--hf-numerics"]
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "kvstreams_sglang.launch_server", *flags], env=env(), stdout=f,
                                 stderr=subprocess.STDOUT, cwd=ROOT)
@@ -195,6 +198,17 @@ def builtin_turn(eng, sid: int, sglang_tokens: list[int]):
                                                    forced_token_ids=tuple(sglang_tokens)))])[0]
 
 
+def open_as_the_client(eng, prompt) -> int:
+    """A stream computed in the chunks the SGLang client sends: with kv4rl its shared prefix goes first on its own
+    (``client._share_prompt``), and an extend's new tokens attend to one another in full precision but to the prefix
+    as stored (INT4 / INT8): one 300-token extend and a 16 + 284 pair are different computations (on the CPU in bf16:
+    max 3.4e-2 / mean 9.2e-3 apart; bit-equal chunk for chunk)."""
+    sid = eng.open_stream(list(prompt[:SHARED_PREFIX]))
+    eng.prefill(sid)
+    eng.append(sid, list(prompt[SHARED_PREFIX:]), source="prompt")
+    return sid
+
+
 def builtin_rounds(model_path: Path, sglang_turns: list, kv_dtype: str = "kv4rl", batched: bool = False) -> list:
     """``batched``: each round's three turns in one ``generate_many`` (as SGLang ran them) instead of one by one:
     the built-in engine against itself under another batch tells the bf16 noise floor of the comparison."""
@@ -202,7 +216,7 @@ def builtin_rounds(model_path: Path, sglang_turns: list, kv_dtype: str = "kv4rl"
 
     eng = Engine(str(model_path), kv_dtype=kv_dtype, device="cuda", dtype=torch.bfloat16, kv_slots=8192,
                  max_streams=8)
-    sids = [eng.open_stream(list(p)) for p in PROMPTS]
+    sids = [open_as_the_client(eng, p) for p in PROMPTS]
     out = []
     for round_, sgl in zip(ROUNDS, sglang_turns, strict=True):
         for t in round_:

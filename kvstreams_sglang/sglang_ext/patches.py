@@ -22,6 +22,7 @@
   KV4 bytes per token (``DefaultPoolConfigurator``'s cell size) and sets the INT8 side cache
   aside (out of the profiled bytes); SGLang's ``support_triton`` name check answers False for
   ``kv4rl`` off CUDA (its Triton helpers cannot run there).
+- hf-numerics: ``ModelRunner.load_model`` switches the loaded model to HF's numerics (``hf_numerics``).
 """
 
 from __future__ import annotations
@@ -48,6 +49,29 @@ def install(server_args) -> None:
     if getattr(server_args, "kv4rl", False) and "kv4rl" not in _installed:
         _install_kv4rl()
         _installed.add("kv4rl")
+    if getattr(server_args, "hf_numerics", False) and "hf_numerics" not in _installed:
+        _install_hf_numerics()
+        _installed.add("hf_numerics")
+
+
+def _install_hf_numerics() -> None:
+    """Once the model has loaded, its modules compute with HF's numerics (``hf_numerics``); weight updates load
+    into the same modules."""
+    import logging
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from . import hf_numerics
+
+    original = ModelRunner.load_model
+
+    def load_model(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        counts = hf_numerics.apply(self.model, self.model_config.hf_config)
+        logging.getLogger(__name__).info("--hf-numerics: %s", counts)
+        return out
+
+    ModelRunner.load_model = load_model
 
 
 def _install_stream_cache() -> None:

@@ -49,6 +49,7 @@ class KVStreamsServerArgs(ServerArgs):
     enable_kv_streams: bool = False
     kv_streams_turn_batch_ratio: float = 0.0
     kv_streams_turn_batch_max_delay_ms: float = 30.0
+    hf_numerics: bool = False
 
     def __post_init__(self):
         self._check_kvstreams()
@@ -70,6 +71,14 @@ class KVStreamsServerArgs(ServerArgs):
         if self.kv_streams_turn_batch_ratio and not self.enable_kv_streams:
             raise ServerArgsError("--kv-streams-turn-batch-ratio needs --enable-kv-streams (without it SGLang's own "
                                   "--enable-prefill-delayer --prefill-delayer-queue-min-ratio does the same)")
+        if self.hf_numerics:
+            for bad, what in [(self.enable_torch_compile, "--enable-torch-compile (it swaps the modules' forwards "
+                                                          "for SGLang's native ones)"),
+                              (self.rl_on_policy_target is not None, "--rl-on-policy-target (SGLang's own alignment, "
+                                                                     "with an fp32 residual stream)"),
+                              (self.quantization is not None, f"--quantization {self.quantization}")]:
+                if bad:
+                    raise ServerArgsError(f"--hf-numerics does not support {what}")
         if self.kv4rl:
             for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
                 if getattr(self, field) not in (None, BACKEND_NAME):
@@ -166,6 +175,11 @@ class KVStreamsServerArgs(ServerArgs):
                                 "overlap scheduling; this one runs with --disable-overlap-schedule too")
         group.add_argument("--kv-streams-turn-batch-max-delay-ms", type=float, default=30.0,
                            help="turn batching: the longest a prefill is held back")
+        group.add_argument("--hf-numerics", action="store_true",
+                           help="Qwen3's norms, RoPE, activation and merged projections round as Hugging Face "
+                                "transformers rounds them in the model dtype (the built-in engine's and the trainer's "
+                                "numerics) instead of SGLang's fused kernels: logprobs closer to the trainer's, "
+                                "slower steps")
 
 
 def prepare_server_args(argv: list[str]) -> KVStreamsServerArgs:
