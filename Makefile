@@ -52,7 +52,7 @@ sglang-cpu:
 	$(PYTHON) -m pip install --no-deps sglang==0.5.17 compressed-tensors==0.20.1
 
 test: $(NEEDS_SETUP)
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q --durations=25 tests  # the slowest 25: the suite keeps to ~20 minutes on CI's 2 cores
 
 lint: $(NEEDS_SETUP)
 	$(PYTHON) -m ruff check .

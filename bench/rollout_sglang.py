@@ -276,24 +276,31 @@ def make_client(setup: Setup, url: str):
 
 async def run_once(server: Server, setup: Setup, replay: Replay, specs: list[EpisodeSpec], reserved: list[int], *,
                    capacity: int, max_batch: int, warmup_s: float, duration_s: float | None,
-                   waves: bool = False, timeout_s: float = 300.0, profile: tuple[Path, int] | None = None) -> dict:
+                   waves: bool = False, timeout_s: float = 300.0, profile: tuple[Path, int] | None = None,
+                   pyspy_dir: Path | None = None) -> dict:
     """Replay ``specs`` against ``server``. ``duration_s``: measure ``[warmup, warmup + duration]`` and stop then;
     None: run every episode and measure all of it (the concentration study). A run still going ``timeout_s``
     after its window (a stuck server) is cancelled and says so (``hung``). ``profile`` (directory, steps): the
-    server's torch profiler records that many steps from the window's start (``bench.trace_summary``)."""
+    server's torch profiler records that many steps from the window's start (``bench.trace_summary``).
+    ``pyspy_dir``: py-spy samples the server's scheduler and this process (the client) over the window
+    (``bench.pyspy``); the run's ``pyspy`` holds both summaries."""
     meter = Meter(make_client(setup, server.url))
     gate = Gate(capacity, max_batch, waves=waves)
     t0 = time.perf_counter()
     w0 = t0 + (warmup_s if duration_s is not None else 0.0)
+    # the window's end: ``duration_s`` after its start as measured (the opening snapshot), however late the
+    # monitor's tick took it on a loaded host
     w1 = w0 + duration_s if duration_s is not None else float("inf")
     marks: dict[str, Snapshot] = {}
     samples: list[tuple[float, int, int, str | None, int, int]] = []  # t, admitted, reserved, waiting, kv, open
     lag: list[float] = []
+    spies: dict = {}
 
     def stopped() -> bool:
         return time.perf_counter() >= w1
 
     async def monitor():
+        nonlocal w1
         if duration_s is None:
             marks["start"] = snapshot(server, meter)
         while True:
@@ -303,8 +310,11 @@ async def run_once(server: Server, setup: Setup, replay: Replay, specs: list[Epi
             lag.append(now - due)
             if "start" not in marks and now >= w0:
                 marks["start"] = snapshot(server, meter)
+                w1 = marks["start"].t + duration_s
                 if profile:
                     asyncio.get_running_loop().run_in_executor(None, start_profile, server, *profile)
+                if pyspy_dir is not None and duration_s is not None:
+                    spies.update(start_pyspy(server, pyspy_dir, duration_s))
             if w0 <= now <= w1:
                 samples.append((now, gate.active, gate.reserved, gate.waiting_for, meter.resident_tokens(),
                                 len(meter.open_sids)))
@@ -335,12 +345,39 @@ async def run_once(server: Server, setup: Setup, replay: Replay, specs: list[Epi
     if "end" not in marks:
         marks["end"] = snapshot(server, meter)
     s, e = marks["start"], marks["end"]
+    spied = finish_pyspy(spies, duration_s) if spies else None
     failed = [x for x in done if isinstance(x, BaseException)]
     finished = [x for x in done if isinstance(x, Finished)]
     in_window = [f for f in finished if not f.truncated and s.t <= f.ended <= e.t]
     return dict(window=(s, e), wall_s=end - t0, samples=samples, finished=finished, in_window=in_window,
                 failed=failed, exhausted=exhausted and not hung, hung=hung, lag=lag, meter=meter, gate=gate,
-                episodes_offered=len(specs))
+                episodes_offered=len(specs), pyspy=spied)
+
+
+def start_pyspy(server: Server, directory: Path, seconds: float) -> dict:
+    """py-spy recorders on ``server``'s scheduler and on this process, for ``seconds`` (a diagnostic: a recorder
+    that cannot start is reported, the run goes on)."""
+    from . import pyspy
+
+    pids = {"client": os.getpid()}
+    sched = pyspy.scheduler_pid(server.proc.pid) if server.proc is not None else None
+    if sched is not None:
+        pids["scheduler"] = sched
+    try:
+        procs = pyspy.start(list(pids.values()), seconds=seconds, out_dir=directory)
+    except OSError as e:
+        print(f"py-spy not started: {e}", flush=True)
+        return {}
+    return dict(pids=pids, procs=procs, directory=directory, missing=[] if sched else ["scheduler"])
+
+
+def finish_pyspy(spies: dict, seconds: float) -> dict:
+    from . import pyspy
+
+    errors = pyspy.finish(spies["procs"])
+    out = {name: pyspy.summarize(spies["directory"] / f"{pid}.txt", seconds=seconds)
+           for name, pid in spies["pids"].items() if (spies["directory"] / f"{pid}.txt").exists()}
+    return dict(out, errors=errors, not_found=spies["missing"])
 
 
 def start_profile(server: Server, directory: Path, steps: int) -> None:
@@ -617,6 +654,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="record this many steps of each --profile-configs server with SGLang's torch profiler from\n"
                         "its window's start; the trace is summarised into the run's 'profile' (bench.trace_summary)")
     g.add_argument("--profile-configs", default="stock_bf16,streams_kv4rl")
+    g.add_argument("--pyspy", action="store_true",
+                   help="py-spy samples each --profile-configs server's scheduler and the bench's client over the\n"
+                        "window: the share of the window each ran, per function (bench.pyspy), in the run's 'pyspy'")
     g = p.add_argument_group("--study concentration")
     g.add_argument("--conc-config", default="streams_bf16")
     g.add_argument("--conc-batch", type=int, default=32)
@@ -789,12 +829,16 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
                 replay = Replay(renderer, compaction(st, setup.execution, a), episode_config(), seed=a.seed)
                 prof_dir = a.out.parent / "profiles" / f"{setup.name}_{st}"
                 profiled = a.profile_steps > 0 and setup.name in a.profile_configs.split(",")
+                spied = a.pyspy and setup.name in a.profile_configs.split(",")
                 run = asyncio.run(run_once(server, setup, replay, specs, peaks[st], capacity=capacity,
                                            max_batch=max_batch, warmup_s=a.warmup, duration_s=duration,
-                                           profile=(prof_dir, a.profile_steps) if profiled else None))
+                                           profile=(prof_dir, a.profile_steps) if profiled else None,
+                                           pyspy_dir=prof_dir / "pyspy" if spied else None))
                 row = summarize(run, setup, st, server, bytes_, pool_tokens)
                 if profiled:
                     row["profile"] = dict(steps=a.profile_steps, traces=summarize_dir(prof_dir))
+                if run["pyspy"] is not None:
+                    row["pyspy"] = run["pyspy"]
                 result["runs"].append(row)
                 done_runs += 1
                 save()

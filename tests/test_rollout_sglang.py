@@ -186,7 +186,8 @@ pytestmark_sglang = pytest.mark.skipif(not HAS_SGLANG, reason="sglang not instal
 CPU_ARGS = ["--device", "cpu", "--configs", "stock_bf16,streams_bf16", "--strategies", "sliding_window",
             "--warmup", "2", "--duration", "12", "--episodes", "600", "--length-scale", "0.15", "--max-turns", "5",
             "--window", "2", "--sizing-workers", "0", "--max-running-requests", "16", "--free-rows", "2",
-            "--max-total-tokens", "2048", "--budget-s", "600"]
+            "--max-total-tokens", "2048", "--budget-s", "600",
+            "--pyspy", "--profile-configs", "stock_bf16,streams_bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -279,6 +280,11 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
         assert 0 < r["kv"]["resident_peak_tokens"] <= r["concurrency"]["capacity_tokens"]
         assert r["kv"]["resident_peak_bytes"] == r["kv"]["resident_peak_tokens"] * r["kv"]["bytes_per_token"]
         assert result["servers"][name]["pool_tokens"] == 2048
+        # --pyspy: the server's scheduler and the bench's client loop sampled over the window (bench.pyspy)
+        spy = r["pyspy"]
+        assert spy["errors"] == [] and spy["not_found"] == [], spy
+        assert 0.05 < spy["scheduler"]["ran_share"] <= 1.0 and spy["client"]["samples"] > 0, spy
+        assert any(f.startswith("scheduler.py:") for f in spy["scheduler"]["function_share"]), spy
     stock, ours = runs["stock_bf16"], runs["streams_bf16"]
     assert ours["reprefilled_tokens"] == 0 and ours["client"]["stats"]["cached_tokens_lost"] == 0
     # stock: every turn's whole context goes to the server, the radix cache returns most of it

@@ -314,6 +314,7 @@ cases = {
     "hf_on_policy": dict(hf_numerics=True, rl_on_policy_target="fsdp"),
 }
 cuda_cases = {  # graph modes are checked on the resolved config (device cuda: it resolves on a CPU box too)
+    "hf_piecewise": dict(hf_numerics=True, cuda_graph_backend_prefill="tc_piecewise"),
     "prefill_graph": dict(kv4rl=True, cuda_graph_backend_prefill="tc_piecewise"),
     "decode_graph": dict(kv4rl=True, cuda_graph_backend_decode="breakable"),
     "compile": dict(kv4rl=True, enable_torch_compile=True),
@@ -357,6 +358,7 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "graphs full radix off True" in out  # --kv4rl keeps decode graphs on; its side cache is per row
     assert "--hf-numerics does not support --enable-torch-compile" in out
     assert "--hf-numerics does not support --rl-on-policy-target" in out
+    assert "--hf-numerics does not support the 'tc_piecewise' CUDA graph backend" in out
 
 
 def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):

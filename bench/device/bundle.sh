@@ -6,6 +6,11 @@ if [ ! -d /tmp/site/sglang ]; then
   mkdir -p /tmp/site && tar -xJf .device_sgl/site.tar.xz -C /tmp/site && \
   python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .device_sgl/tf/*.whl || return 1
 fi
+# diagnostic tools carried as wheels (.devtools, bench/device/tools_bundle.sh: py-spy), once per machine
+if compgen -G ".devtools/*.whl" > /dev/null && [ ! -f /tmp/site/.devtools_installed ]; then
+  python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --target /tmp/site .devtools/*.whl && \
+    touch /tmp/site/.devtools_installed
+fi
 source bench/device/jit_cache.sh && jit_cache_restore
 # stand-ins for what the bundle leaves out and SGLang imports at start-up (bench/device/stubs/*: why, in each)
 export PYTHONPATH=/tmp/site:$PWD/bench/device/stubs:$PWD PYTHONUNBUFFERED=1

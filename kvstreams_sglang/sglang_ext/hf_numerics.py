@@ -153,4 +153,7 @@ def apply(model, hf_config) -> dict[str, int]:
             counts["attentions"] += 1
         elif isinstance(m, (RMSNorm, RotaryEmbedding)):
             raise HFNumericsError(f"--hf-numerics: {name} is a {kind.__name__}, which it does not align with HF")
+    missing = [k for k, n in counts.items() if n == 0]
+    if missing:  # a model built from other SGLang classes than the ones aligned here would stay as it was, silently
+        raise HFNumericsError(f"--hf-numerics found no {', '.join(missing)} to align in {type(model).__name__}")
     return counts

@@ -59,6 +59,10 @@ class KVStreamsServerArgs(ServerArgs):
                                   f"{self.attention_backend} needs --page-size {self.page_size}")
         if self.kv4rl:
             self._check_kv4rl_graphs()
+        if self.hf_numerics and self.device == "cuda" and Backend.TC_PIECEWISE in (
+                self.cuda_graph_config.decode.backend, self.cuda_graph_config.prefill.backend):
+            raise ServerArgsError("--hf-numerics does not support the 'tc_piecewise' CUDA graph backend: its "
+                                  "torch.compile capture swaps the modules' forwards for SGLang's native ones")
 
     def _check_kvstreams(self) -> None:
         if self.kv4rl_sink < 0 or self.kv4rl_recent < 0:
