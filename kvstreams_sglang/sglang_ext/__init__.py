@@ -12,6 +12,8 @@ Nothing of SGLang is vendored. The pieces:
 - ``side_rows.SideRows``: kv4rl's INT8 side row of a stream between turns.
 - ``pool.KV4TokenToKVPool``: SGLang's MHA token pool holding KV4-RL bytes (INT4 + INT8 side).
 - ``backend.KV4RLAttnBackend``: the ``kv4rl`` attention backend (our kernels / their references).
+- ``hf_numerics``: ``--hf-numerics``, the model's norms, RoPE, activation and merged projections
+  rounded as Hugging Face transformers rounds them (the built-in engine's and the trainer's numerics).
 - ``patches.install``: the hooks SGLang has no extension point for, installed inside the
   scheduler process by ``scheduler.run_scheduler_process``.
 - ``engine.KVStreamsEngine`` (offline) and ``kvstreams_sglang.launch_server`` (HTTP).
