@@ -121,6 +121,14 @@ def metric_total(samples: list[tuple[str, dict, float]], name: str, **labels) ->
     return sum(hits) if hits else None
 
 
+# uvicorn's line when the HTTP port is taken; SGLang's process then stays up without serving
+BIND_FAILED = "error while attempting to bind on address"
+
+
+class PortTaken(RuntimeError):
+    """The server's HTTP port was bound by another process before the server bound it."""
+
+
 @dataclass
 class Server:
     config: ServerConfig
@@ -139,8 +147,19 @@ class Server:
         return [sys.executable, "-m", self.config.module, "--model-path", self.model_path, "--port", str(self.port),
                 *COMMON, *self.config.flags, *self.flags]
 
-    def start(self, timeout_s: float = 900.0) -> Server:
-        return self.launch().wait_ready(timeout_s)
+    def start(self, timeout_s: float = 900.0, port_retries: int = 3) -> Server:
+        """Launch and wait until it serves. A port another process took between choosing and binding it (the
+        server logs the bind error and hangs on) is retried on a fresh free port, ``port_retries`` times."""
+        from harness.trainer import free_port
+
+        for attempt in range(port_retries + 1):
+            try:
+                return self.launch().wait_ready(timeout_s)
+            except PortTaken:
+                if attempt == port_retries:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
 
     def launch(self) -> Server:
         """Start the process (``wait_ready`` waits for it to serve)."""
@@ -160,6 +179,9 @@ class Server:
                                    f"last log lines:\n{self.tail()}")
             if self.healthy():
                 return self
+            if BIND_FAILED in self.log_text():
+                self.stop()
+                raise PortTaken(f"{self.config.name}: port {self.port} is taken; last log lines:\n{self.tail(5)}")
             time.sleep(2)
         self.stop()
         raise TimeoutError(f"{self.config.name}: not healthy after {timeout_s:.0f} s; last log lines:\n{self.tail()}")

@@ -1,9 +1,12 @@
-"""Waiting for a test's SGLang server: ready once ``/get_model_info`` answers, failed (with its log) if it exits."""
+"""Waiting for a test's SGLang server: ready once ``/get_model_info`` answers, failed (with its log) if it exits
+or logs that its port was taken (SGLang's process then stays up without serving)."""
 
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
+
+from bench.sglang_servers import BIND_FAILED
 
 
 def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 300) -> None:
@@ -16,5 +19,7 @@ def wait_ready(url: str, proc: subprocess.Popen, log: Path, timeout_s: float = 3
                 if resp.status == 200:
                     return
         except OSError:
+            if BIND_FAILED in log.read_text(errors="replace"):
+                raise AssertionError(f"SGLang server's port was taken:\n{log.read_text()[-2000:]}") from None
             time.sleep(1)
     raise AssertionError(f"SGLang server not ready after {timeout_s}s:\n{log.read_text()[-8000:]}")

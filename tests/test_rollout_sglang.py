@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import socket
 import sys
 from pathlib import Path
 
@@ -197,12 +198,19 @@ def cpu_servers(tiny_model_path, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("rollout_sglang")
     a = parse_args(["--model", str(tiny_model_path), "--out", str(out / "out.json"), *CPU_ARGS])
-    servers = {name: server_for(SETUPS[name], a, free_port(), out / "logs").launch() for name in a.configs}
+    held = socket.socket()  # the stock server's port, taken by another process (``Server.start`` moves on)
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    a.taken_port = held.getsockname()[1]
+    servers = {name: server_for(SETUPS[name], a, a.taken_port if name == "stock_bf16" else free_port(), out / "logs")
+               for name in a.configs}
     try:
-        for s in servers.values():
-            s.wait_ready(600)
+        servers["streams_bf16"].launch()
+        servers["stock_bf16"].start(600)
+        servers["streams_bf16"].wait_ready(600)
         yield a, servers
     finally:
+        held.close()
         for s in servers.values():
             s.stop()
 
@@ -298,6 +306,16 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
     assert "config 3 > config 1" in kinds and "0 re-prefilled tokens in configs 3-5 while memory suffices" in kinds
     three_vs_one = next(t for t in result["targets"] if t["target"].startswith("config 3 > config 1"))
     assert three_vs_one["met"] in (True, False)
+
+
+@pytestmark_sglang
+def test_a_server_whose_port_was_taken_starts_on_another(cpu_servers):
+    """Another process bound the stock server's port before it did (CI saw it: SGLang logs the bind error and its
+    process stays up, so the bench waited out its 900 s start timeout): ``Server.start`` noticed the log line and
+    started it again on a fresh port (the fixture held the port)."""
+    a, servers = cpu_servers
+    stock = servers["stock_bf16"]
+    assert stock.port != a.taken_port and stock.healthy()
 
 
 def test_merge_puts_the_calls_side_by_side_and_refuses_other_settings(tmp_path):
