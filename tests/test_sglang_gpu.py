@@ -24,7 +24,6 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -40,9 +39,21 @@ import sglang_graph_step as graph_steps  # noqa: E402
 from ports import free_port  # noqa: E402
 from server_ready import wait_ready  # noqa: E402
 
-MODEL_FLAGS = ["--num-layers", "4", "--hidden-size", "1024", "--num-heads", "16", "--num-kv-heads", "4",
-               "--head-dim", "128", "--dtype", "bfloat16"]
-MAX_DIFF, MEAN_DIFF = 2e-2, 2e-3  # logprobs, SGLang (CUDA graphs) vs the built-in engine, both kv4rl in bf16
+# the streams, the built-in engine's replay of them and the comparison: bench.sglang_parity (its CLI tells a gap's
+# sources on any device); MAX_DIFF / MEAN_DIFF: SGLang (CUDA graphs) vs the built-in engine, both kv4rl in bf16
+from bench.sglang_parity import (  # noqa: E402
+    MAX_DIFF,
+    MEAN_DIFF,
+    MODEL_FLAGS,
+    PROMPTS,
+    ROUNDS,
+    SHARED_PREFIX,
+    UPDATE_BEFORE_ROUND,
+    Turn,
+    builtin_rounds,
+    compared_logprobs,
+    gap,
+)
 
 
 def env() -> dict:
@@ -86,34 +97,6 @@ def test_sglang_gpu_prefill_graph_steps_match_eager(tmp_path):
 
 
 # ---- the server ----
-
-@dataclass(frozen=True)
-class Turn:
-    """One stream's turn: evict ``spans`` (stream positions), append ``obs``, generate ``new`` tokens greedily."""
-
-    stream: int
-    obs: tuple[int, ...] = ()
-    new: int = 16
-    spans: tuple[tuple[int, int], ...] = ()
-
-
-def tokens(n: int, a: int, b: int) -> tuple[int, ...]:
-    return tuple((a * i + b) % 250 for i in range(n))
-
-
-PROMPTS = [tokens(300, 7, 3), tokens(180, 11, 5), tokens(240, 13, 1)]  # > sink + recent: INT4 regions from the start
-# rounds of concurrent turns (3 streams decoding together: padded to a captured batch of 4, then 2 and 1 as the
-# shorter generations finish); a weight update from disk between round 1 and round 2
-ROUNDS = [
-    [Turn(0, new=24), Turn(1, new=16), Turn(2, new=8)],
-    [Turn(0, tokens(40, 3, 2), spans=((20, 120),)), Turn(1, tokens(25, 5, 9)), Turn(2, tokens(31, 9, 4), new=20)],
-    [Turn(0, tokens(12, 17, 1)), Turn(1, tokens(60, 19, 3), spans=((50, 150), (181, 190))), Turn(2, tokens(9, 2, 7))],
-]
-UPDATE_BEFORE_ROUND = 2
-# the streams' first tokens go through the tree's shared (untagged) path, as a GRPO prompt would; the evictions
-# above start after them (the server refuses to evict a prefix other streams may share)
-SHARED_PREFIX = 16
-
 
 @pytest.fixture(scope="module")
 def model_path(tmp_path_factory) -> Path:
@@ -189,85 +172,18 @@ async def sglang_rounds(url: str, model_path: Path) -> dict:
     return out
 
 
-def builtin_turn(eng, sid: int, sglang_tokens: list[int]):
-    """The built-in engine's turn, teacher-forced on the tokens SGLang produced: the same stream on both engines
-    (each logprob is the forced token's under the model, through the engine's decode path)."""
-    from kvstreams_sglang.engine import SamplingParams
-
-    return eng.generate_many([(sid, SamplingParams(len(sglang_tokens), temperature=0.0,
-                                                   forced_token_ids=tuple(sglang_tokens)))])[0]
-
-
-def open_as_the_client(eng, prompt) -> int:
-    """A stream computed in the chunks the SGLang client sends: with kv4rl its shared prefix goes first on its own
-    (``client._share_prompt``), and an extend's new tokens attend to one another in full precision but to the prefix
-    as stored (INT4 / INT8): one 300-token extend and a 16 + 284 pair are different computations (on the CPU in bf16:
-    max 3.4e-2 / mean 9.2e-3 apart; bit-equal chunk for chunk)."""
-    sid = eng.open_stream(list(prompt[:SHARED_PREFIX]))
-    eng.prefill(sid)
-    eng.append(sid, list(prompt[SHARED_PREFIX:]), source="prompt")
-    return sid
-
-
-def builtin_rounds(model_path: Path, sglang_turns: list, kv_dtype: str = "kv4rl", batched: bool = False) -> list:
-    """``batched``: each round's three turns in one ``generate_many`` (as SGLang ran them) instead of one by one:
-    the built-in engine against itself under another batch tells the bf16 noise floor of the comparison."""
-    from kvstreams_sglang.engine import Engine, SamplingParams
-
-    eng = Engine(str(model_path), kv_dtype=kv_dtype, device="cuda", dtype=torch.bfloat16, kv_slots=8192,
-                 max_streams=8)
-    sids = [open_as_the_client(eng, p) for p in PROMPTS]
-    out = []
-    for round_, sgl in zip(ROUNDS, sglang_turns, strict=True):
-        for t in round_:
-            if t.spans:
-                eng.evict(sids[t.stream], t.spans)
-            if t.obs:
-                eng.append(sids[t.stream], list(t.obs))
-        if batched:
-            gens = eng.generate_many([(sids[t.stream], SamplingParams(len(toks), temperature=0.0,
-                                                                      forced_token_ids=tuple(toks)))
-                                      for t, (toks, _) in zip(round_, sgl, strict=True)])
-        else:
-            gens = [builtin_turn(eng, sids[t.stream], toks) for t, (toks, _) in zip(round_, sgl, strict=True)]
-        out.append([(g.token_ids, g.logprobs) for g in gens])
-    return out
-
-
 def noise_floor(sglang_turns: list, reference: list, model_path: Path) -> dict:
     """Where the SGLang-vs-built-in gap comes from (printed, not asserted): the built-in engine against itself
     with the round's turns batched, its bf16-KV run against its kv4rl run, and SGLang against built-in bf16 KV."""
-    def gap(a: list, b: list) -> tuple[float, float]:
-        x, y, _ = compared_logprobs(a, b)
-        d = (torch.tensor(x, dtype=torch.float64) - torch.tensor(y, dtype=torch.float64)).abs()
-        return round(float(d.max()), 5), round(float(d.mean()), 6)
+    def pair(a: list, b: list) -> tuple[float, float]:
+        g = gap(a, b)
+        return round(g["max"], 5), round(g["mean"], 6)
 
     batched = builtin_rounds(model_path, sglang_turns, batched=True)
     bf16 = builtin_rounds(model_path, sglang_turns, kv_dtype="bf16")
-    return {"builtin_kv4rl_one_by_one_vs_batched": gap(reference, batched),
-            "builtin_kv4rl_vs_builtin_bf16": gap(reference, bf16),
-            "sglang_kv4rl_vs_builtin_bf16": gap(sglang_turns, bf16)}
-
-
-def compared_logprobs(sglang_turns: list, builtin: list) -> tuple[list[float], list[float], list[int]]:
-    """Logprobs at the positions where both engines' contexts were still the same: greedy, up to and including a
-    stream's first differing token (two near-tied argmaxes: each engine's logprob of its own pick is the top logprob,
-    so they still compare), nothing of that stream after; teacher-forced, everything. Also how many positions each
-    stream had compared."""
-    ours, theirs, counts = [], [], [0] * len(PROMPTS)
-    diverged = set()
-    for round_, sgl, blt in zip(ROUNDS, sglang_turns, builtin, strict=True):
-        for t, (s_tok, s_lp), (b_tok, b_lp) in zip(round_, sgl, blt, strict=True):
-            if t.stream in diverged:
-                continue
-            same = next((i for i, (a, b) in enumerate(zip(s_tok, b_tok, strict=True)) if a != b), None)
-            n = len(s_tok) if same is None else same + 1
-            ours += s_lp[:n]
-            theirs += b_lp[:n]
-            counts[t.stream] += n
-            if same is not None:
-                diverged.add(t.stream)
-    return ours, theirs, counts
+    return {"builtin_kv4rl_one_by_one_vs_batched": pair(reference, batched),
+            "builtin_kv4rl_vs_builtin_bf16": pair(reference, bf16),
+            "sglang_kv4rl_vs_builtin_bf16": pair(sglang_turns, bf16)}
 
 
 def graph_lines(log: str, kind: str) -> list[tuple[int, bool]]:
