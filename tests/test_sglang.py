@@ -311,6 +311,8 @@ cases = {
     "turn_batch_ratio": dict(enable_kv_streams=True, kv_streams_turn_batch_ratio=-1.0),
     "hf_compile": dict(hf_numerics=True, enable_torch_compile=True),
     "hf_on_policy": dict(hf_numerics=True, rl_on_policy_target="fsdp"),
+    "hf_parts_alone": dict(hf_numerics_parts="norms"),
+    "hf_parts_unknown": dict(hf_numerics=True, hf_numerics_parts="norms,layernorm"),
 }
 cuda_cases = {  # graph modes are checked on the resolved config (device cuda: it resolves on a CPU box too)
     "hf_piecewise": dict(hf_numerics=True, cuda_graph_backend_prefill="tc_piecewise"),
@@ -358,6 +360,7 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "--hf-numerics does not support --enable-torch-compile" in out
     assert "--hf-numerics does not support --rl-on-policy-target" in out
     assert "--hf-numerics does not support the 'tc_piecewise' CUDA graph backend" in out
+    assert "--hf-numerics-parts needs --hf-numerics" in out and "layernorm is not one of all, norms, rope" in out
 
 
 def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):

@@ -14,7 +14,9 @@ same tensors, and each merged projection runs one GEMM per part, as HF's separat
 
 The cost is launches: on CUDA about ten more small kernels per layer (captured in the CUDA graphs). Off by
 default: a user trades decode speed for on-policy logprobs. Only Qwen3 checkpoints are supported (the
-architecture the project trains); another architecture is refused with the reason.
+architecture the project trains); another architecture is refused with the reason. ``--hf-numerics-parts``
+aligns only some parts (``PARTS``), to tell which carries a gap and what each costs: on the CPU the norms alone
+give the bit-equality (SGLang's CPU RoPE, activation and GEMMs already round as HF's; ``bench.sglang_parity``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,21 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("qwen3",)
+# what --hf-numerics-parts may name: each part of the model it aligns (all by default), so that a device run can
+# tell which part carries a parity gap and what each costs
+PARTS = ("norms", "rope", "activation", "gemms", "qk_prepare")
+
+
+def parse_parts(text: str) -> tuple[str, ...]:
+    """``--hf-numerics-parts`` (``all`` or a comma list of ``PARTS``) -> the parts, validated."""
+    if text.strip() == "all":
+        return PARTS
+    parts = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise HFNumericsError(f"--hf-numerics-parts: {', '.join(unknown) or 'nothing'} is not one of all, "
+                              f"{', '.join(PARTS)}")
+    return parts
 
 
 class HFNumericsError(ValueError):
@@ -116,8 +133,9 @@ def _qk_prepare(attn):
     return forward_prepare_native
 
 
-def apply(model, hf_config) -> dict[str, int]:
-    """Switch ``model``'s modules (an SGLang model, after loading) to HF numerics; returns how many of each kind."""
+def apply(model, hf_config, parts: tuple[str, ...] = PARTS) -> dict[str, int]:
+    """Switch ``model``'s modules (an SGLang model, after loading) to HF numerics, those of ``parts``; returns how
+    many of each kind."""
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
@@ -126,32 +144,34 @@ def apply(model, hf_config) -> dict[str, int]:
     from sglang.srt.models.qwen3 import Qwen3Attention
 
     norm_cls, rotary_cls, apply_rope, act = hf_modules(hf_config)
-    counts = {"norms": 0, "ropes": 0, "merged_gemms": 0, "activations": 0, "attentions": 0}
+    counted = dict(zip(PARTS, ("norms", "ropes", "activations", "merged_gemms", "attentions"), strict=True))
+    counts = {counted[p]: 0 for p in parts}
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, m in model.named_modules():
         kind = type(m)
-        if kind is RMSNorm:
+        if kind is RMSNorm and "norms" in parts:
             m._forward_method = _norm_forward(m, norm_cls.forward)
             counts["norms"] += 1
-        elif kind is RotaryEmbedding:
+        elif kind is RotaryEmbedding and "rope" in parts:
             if id(m) not in tables:
                 tables[id(m)] = rope_table(rotary_cls, hf_config, m.cos_sin_cache.shape[0],
                                            m.cos_sin_cache.device, next(model.parameters()).dtype)
                 m._forward_method = _rope_forward(m, apply_rope, *tables[id(m)])
                 counts["ropes"] += 1
-        elif kind in (QKVParallelLinear, MergedColumnParallelLinear):
+        elif kind in (QKVParallelLinear, MergedColumnParallelLinear) and "gemms" in parts:
             if not isinstance(m.quant_method, UnquantizedLinearMethod) or m.bias is not None:
                 raise HFNumericsError(f"--hf-numerics needs unquantized projections without bias; {name} is "
                                       f"{type(m.quant_method).__name__}{' with a bias' if m.bias is not None else ''}")
             m.forward = _split_gemm_forward(m)
             counts["merged_gemms"] += 1
-        elif kind is SiluAndMul:
+        elif kind is SiluAndMul and "activation" in parts:
             m._forward_method = _act_forward(act)
             counts["activations"] += 1
-        elif kind is Qwen3Attention:
+        elif kind is Qwen3Attention and "qk_prepare" in parts:
             m.forward_prepare_native = _qk_prepare(m)
             counts["attentions"] += 1
-        elif isinstance(m, (RMSNorm, RotaryEmbedding)):
+        elif (isinstance(m, RMSNorm) and kind is not RMSNorm and "norms" in parts) or (
+                isinstance(m, RotaryEmbedding) and kind is not RotaryEmbedding and "rope" in parts):
             raise HFNumericsError(f"--hf-numerics: {name} is a {kind.__name__}, which it does not align with HF")
     missing = [k for k, n in counts.items() if n == 0]
     if missing:  # a model built from other SGLang classes than the ones aligned here would stay as it was, silently

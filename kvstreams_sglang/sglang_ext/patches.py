@@ -67,7 +67,8 @@ def _install_hf_numerics() -> None:
 
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
-        counts = hf_numerics.apply(self.model, self.model_config.hf_config)
+        counts = hf_numerics.apply(self.model, self.model_config.hf_config,
+                                   hf_numerics.parse_parts(self.server_args.hf_numerics_parts))
         logging.getLogger(__name__).info("--hf-numerics: %s", counts)
         return out
 

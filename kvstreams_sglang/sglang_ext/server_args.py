@@ -30,6 +30,7 @@ from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.server_args import ServerArgs, add_attention_backend_choices
 
 from .backend import BACKEND_NAME
+from .hf_numerics import PARTS, HFNumericsError, parse_parts
 
 STREAM_CACHE = "kvstreams"  # stream_cache.BACKEND_NAME (that module imports the scheduler's classes)
 
@@ -50,6 +51,7 @@ class KVStreamsServerArgs(ServerArgs):
     kv_streams_turn_batch_ratio: float = 0.0
     kv_streams_turn_batch_max_delay_ms: float = 30.0
     hf_numerics: bool = False
+    hf_numerics_parts: str = "all"
 
     def __post_init__(self):
         self._check_kvstreams()
@@ -75,7 +77,13 @@ class KVStreamsServerArgs(ServerArgs):
         if self.kv_streams_turn_batch_ratio and not self.enable_kv_streams:
             raise ServerArgsError("--kv-streams-turn-batch-ratio needs --enable-kv-streams (without it SGLang's own "
                                   "--enable-prefill-delayer --prefill-delayer-queue-min-ratio does the same)")
+        if self.hf_numerics_parts != "all" and not self.hf_numerics:
+            raise ServerArgsError("--hf-numerics-parts needs --hf-numerics")
         if self.hf_numerics:
+            try:
+                parse_parts(self.hf_numerics_parts)
+            except HFNumericsError as e:
+                raise ServerArgsError(str(e)) from None
             for bad, what in [(self.enable_torch_compile, "--enable-torch-compile (it swaps the modules' forwards "
                                                           "for SGLang's native ones)"),
                               (self.rl_on_policy_target is not None, "--rl-on-policy-target (SGLang's own alignment, "
@@ -184,6 +192,9 @@ class KVStreamsServerArgs(ServerArgs):
                                 "transformers rounds them in the model dtype (the built-in engine's and the trainer's "
                                 "numerics) instead of SGLang's fused kernels: logprobs closer to the trainer's, "
                                 "slower steps")
+        group.add_argument("--hf-numerics-parts", default="all",
+                           help=f"with --hf-numerics: which parts to align, 'all' or a comma list of "
+                                f"{', '.join(PARTS)} (to tell which part carries a logprob gap, and its cost)")
 
 
 def prepare_server_args(argv: list[str]) -> KVStreamsServerArgs:
