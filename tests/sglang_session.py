@@ -1,7 +1,7 @@
 """Run the real ``sglang.Engine`` (kv-streams, optionally kv4rl) on CPU and dump what the tests check.
 
     python tests/sglang_session.py MODEL_DIR OUT.json [--kv4rl [--kv4rl-sink N --kv4rl-recent N]]
-        [--disable-overlap-schedule] [--dtype bfloat16] [--hf-numerics] [--only-main]
+        [--disable-overlap-schedule]
 
 Run as a subprocess (SGLang spawns its scheduler; a scheduler crash SIGQUITs its parent), with
 ``tests/sglang_cpu_shims`` on PYTHONPATH and ``SGLANG_USE_CPU_ENGINE=1``. One engine, a KV pool of
@@ -16,8 +16,6 @@ Run as a subprocess (SGLang spawns its scheduler; a scheduler crash SIGQUITs its
    streams fill the pool (eight idle ones, then a long turn: issue 25's S2); its next turn finds its
    KV evicted, is restored and answered; the same stream run alone first gives the reference.
    Then every stream takes one more turn and all close; the cache is flushed and the pool read.
-
-``--only-main`` runs the first scenario alone; ``--dtype`` is the model's (default float32).
 """
 
 from __future__ import annotations
@@ -188,14 +186,12 @@ def pressure_scenario(eng, params, res: dict) -> None:
         streams.close(f)
 
 
-def main(model: str, out: str, kv4rl: bool, overlap: bool, *, dtype: str = "float32", hf_numerics: bool = False,
-         only_main: bool = False, **kv4: int) -> None:
+def main(model: str, out: str, kv4rl: bool, overlap: bool, **kv4: int) -> None:
     from kvstreams_sglang.engine import SamplingParams
     from kvstreams_sglang.sglang_ext.client import EngineStreams
     from kvstreams_sglang.sglang_ext.engine import KVStreamsEngine
 
-    eng = KVStreamsEngine(model_path=model, device="cpu", dtype=dtype, kv4rl=kv4rl, enable_kv_streams=True,
-                          hf_numerics=hf_numerics, enable_fp32_lm_head=dtype != "float32",  # as the built-in engine
+    eng = KVStreamsEngine(model_path=model, device="cpu", dtype="float32", kv4rl=kv4rl, enable_kv_streams=True,
                           attention_backend=None if kv4rl else "torch_native", sampling_backend="pytorch",
                           grammar_backend="none", max_total_tokens=POOL_TOKENS, skip_server_warmup=True,
                           disable_overlap_schedule=not overlap, log_level="error", **kv4)
@@ -207,7 +203,7 @@ def main(model: str, out: str, kv4rl: bool, overlap: bool, *, dtype: str = "floa
     main_scenario(eng, EngineStreams(eng), params, res)
     res["pool_after_main"] = wait_for_pool(eng, 0)
     res["seconds"]["main"] = time.monotonic() - t
-    for name, scenario in [] if only_main else [("siblings", siblings_scenario), ("pressure", pressure_scenario)]:
+    for name, scenario in [("siblings", siblings_scenario), ("pressure", pressure_scenario)]:
         t = time.monotonic()
         scenario(eng, params, res)
         res["seconds"][name] = time.monotonic() - t
@@ -223,6 +219,4 @@ if __name__ == "__main__":
     flags = sys.argv[3:]
     kv4 = {f.removeprefix("--").replace("-", "_"): int(flags[i + 1]) for i, f in enumerate(flags)
            if f in ("--kv4rl-sink", "--kv4rl-recent")}
-    main(sys.argv[1], sys.argv[2], "--kv4rl" in flags, "--disable-overlap-schedule" not in flags,
-         dtype=flags[flags.index("--dtype") + 1] if "--dtype" in flags else "float32",
-         hf_numerics="--hf-numerics" in flags, only_main="--only-main" in flags, **kv4)
+    main(sys.argv[1], sys.argv[2], "--kv4rl" in flags, "--disable-overlap-schedule" not in flags, **kv4)

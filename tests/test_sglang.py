@@ -97,10 +97,9 @@ def test_sglang_logprobs_equal_trainer_replay(run, hf_model, request):
     assert float(diff.max()) <= 1e-4
 
 
-def builtin_kv4_turns(model: Path, dtype: torch.dtype = torch.float32,
-                      **kv4: int) -> list[tuple[list[int], list[float]]]:
+def builtin_kv4_turns(model: Path, **kv4: int) -> list[tuple[list[int], list[float]]]:
     """The same session on our built-in engine with kv4rl KV (``kv4``: its sink / recent)."""
-    eng = Engine(str(model), kv_dtype="kv4rl", kv_slots=2048, max_streams=4, dtype=dtype, **kv4)
+    eng = Engine(str(model), kv_dtype="kv4rl", kv_slots=2048, max_streams=4, **kv4)
     sid = eng.open_stream(script.PROMPT)
     out = []
     for t, obs in enumerate([None, *script.OBS[:3]]):

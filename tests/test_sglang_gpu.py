@@ -51,7 +51,6 @@ from bench.sglang_parity import (  # noqa: E402
     UPDATE_BEFORE_ROUND,
     Turn,
     builtin_rounds,
-    compared_logprobs,
     gap,
 )
 
@@ -198,15 +197,14 @@ def test_sglang_gpu_server_kv4rl_graphs_match_builtin_engine(server, model_path)
     log = log_path.read_text()
     decode, prefill = graph_lines(log, "Decode"), graph_lines(log, "Prefill")
     builtin = builtin_rounds(model_path, res["turns"])
-    ours, theirs, counts = compared_logprobs(res["turns"], builtin)
-    diff = (torch.tensor(ours, dtype=torch.float64) - torch.tensor(theirs, dtype=torch.float64)).abs()
+    g = gap(res["turns"], builtin)
     total = sum(len(t) for r in res["turns"] for t, _ in r)
     before, after = res["pools"]
     print(f"decode steps logged: {len(decode)}, on a CUDA graph: {sum(g for _, g in decode)} (running requests: "
           f"{sorted({r for r, _ in decode})}); prefill batches on a graph: {sum(g for _, g in prefill)}/{len(prefill)}")
     print(f"client stats {res['stats']}; pool before/after the weight update {before} / {after}")
-    print(f"compared {len(ours)}/{total} logprobs (per stream {counts}); |diff| max {diff.max():.2e} mean "
-          f"{diff.mean():.2e}")
+    print(f"compared {g['compared']}/{total} logprobs (per stream {g['per_stream']}); |diff| max {g['max']:.2e} mean "
+          f"{g['mean']:.2e}")
     print("gap sources (max, mean):", noise_floor(res["turns"], builtin, model_path))
 
     assert decode and all(g for _, g in decode), "a decode step ran without a CUDA graph"
@@ -215,8 +213,8 @@ def test_sglang_gpu_server_kv4rl_graphs_match_builtin_engine(server, model_path)
     # the streams kept every computed token's KV through evictions and the weight update: nothing re-prefilled
     assert res["stats"]["cached_tokens_lost"] == 0 and res["stats"]["turns_across_updates"] == len(PROMPTS)
     assert before["available_tokens"] == after["available_tokens"] and before["kv_bytes"] == after["kv_bytes"]
-    assert all(c > 0 for c in counts)
-    assert float(diff.max()) <= MAX_DIFF and float(diff.mean()) <= MEAN_DIFF
+    assert all(c > 0 for c in g["per_stream"])
+    assert g["max"] <= MAX_DIFF and g["mean"] <= MEAN_DIFF
 
 
 def test_sglang_gpu_graph_steps_ran_the_cuda_kernel(graph_steps_result):

@@ -27,6 +27,12 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = ("qwen3",)
+
+
+class HFNumericsError(ValueError):
+    """A model ``--hf-numerics`` cannot align with transformers."""
+
+
 # what --hf-numerics-parts may name: each part of the model it aligns (all by default), so that a device run can
 # tell which part carries a parity gap and what each costs
 PARTS = ("norms", "rope", "activation", "gemms", "qk_prepare")
@@ -42,10 +48,6 @@ def parse_parts(text: str) -> tuple[str, ...]:
         raise HFNumericsError(f"--hf-numerics-parts: {', '.join(unknown) or 'nothing'} is not one of all, "
                               f"{', '.join(PARTS)}")
     return parts
-
-
-class HFNumericsError(ValueError):
-    """A model ``--hf-numerics`` cannot align with transformers."""
 
 
 def hf_modules(hf_config):
