@@ -984,17 +984,17 @@ def test_turn_batching_holds_a_lone_prefill_back_until_enough_wait_or_the_delay_
     with kv4rl_server_process(tiny_model_path, tmp_path / "server.log", *flags) as url:
         results = {}
 
-        def generate(name, ids, n):
+        def generate(name, ids, n, **extra):
             results[name] = post(url, "/generate", dict(input_ids=ids, sampling_params=dict(
-                max_new_tokens=n, ignore_eos=True, temperature=0.0)))
+                max_new_tokens=n, ignore_eos=True, temperature=0.0), **extra))
 
-        def started(name, ids, n):
-            t = threading.Thread(target=generate, args=(name, ids, n))
+        def started(name, ids, n, **extra):
+            t = threading.Thread(target=generate, args=(name, ids, n), kwargs=extra)
             t.start()
             return t
 
         _, before = post(url, "/kvstreams/pool_info", {})
-        long = started("long", [5, 9, 11, 13], 1500)  # decodes through both waves below
+        long = started("long", [5, 9, 11, 13], 1500, rid="long")  # decodes through both waves below
         time.sleep(1.0)
         t0 = time.monotonic()
         generate("lone", [6, 9, 11, 13], 3)
@@ -1007,7 +1007,9 @@ def test_turn_batching_holds_a_lone_prefill_back_until_enough_wait_or_the_delay_
         generate("half2", [[14 + i, 9, 11, 13] for i in range(2)], 3)  # ... until these two arrive
         first_half.join(timeout=120)
         _, after_halves = post(url, "/kvstreams/pool_info", {})
-        long.join(timeout=300)
+        still_running = "long" not in results
+        post(url, "/abort_request", {"rid": "long"})  # it has served its purpose: no need to decode to its end
+        long.join(timeout=120)
         assert long.is_alive() is False
     assert before["turn_batch_held_passes"] == 0
     assert after_lone["turn_batch_held_passes"] > 0 and after_lone["turn_batch_released_timeout"] == 1, after_lone
@@ -1016,8 +1018,9 @@ def test_turn_batching_holds_a_lone_prefill_back_until_enough_wait_or_the_delay_
     assert [after_wave[k] for k in counters] == [after_lone[k] for k in counters], json.dumps(after_wave)
     assert after_halves["turn_batch_held_passes"] > after_wave["turn_batch_held_passes"]
     assert after_halves["turn_batch_released_full"] == 1 and after_halves["turn_batch_released_timeout"] == 1
+    assert still_running  # the waves above ran while it decoded
     status, out = results["long"]
-    assert status == 200 and len(out["output_ids"]) == 1500, out
+    assert out["meta_info"]["finish_reason"]["type"] == "abort", out
     assert results["lone"][0] == 200 and len(results["lone"][1]["output_ids"]) == 3
     for name in ("wave", "half1", "half2"):
         status, outs = results[name]
