@@ -129,6 +129,36 @@ class PortTaken(RuntimeError):
     """The server's HTTP port was bound by another process before the server bound it."""
 
 
+def answers(url: str, timeout_s: float = 10) -> bool:
+    """``url`` answers 200 (False while the server starts: refused, or 503)."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_serving(proc: subprocess.Popen, log_path: Path, ready, timeout_s: float, name: str = "SGLang server") -> None:
+    """Poll ``ready()`` until it holds. Raises RuntimeError (with the log's tail) if the process exits, ``PortTaken``
+    if its log says its HTTP port was taken (SGLang's process then stays up without serving), TimeoutError after
+    ``timeout_s``; the caller stops the process."""
+    def tail(n: int) -> str:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-n:])
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name}: server exited ({proc.returncode}) during start; last log lines:\n{tail(80)}")
+        if ready():
+            return
+        if BIND_FAILED in log_path.read_text(errors="replace"):
+            raise PortTaken(f"{name}: its port is taken; last log lines:\n{tail(5)}")
+        time.sleep(1)
+    raise TimeoutError(f"{name}: not serving after {timeout_s:.0f} s; last log lines:\n{tail(80)}")
+
+
 @dataclass
 class Server:
     config: ServerConfig
@@ -172,19 +202,12 @@ class Server:
         return self
 
     def wait_ready(self, timeout_s: float = 900.0) -> Server:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.config.name}: server exited ({self.proc.returncode}) during start; "
-                                   f"last log lines:\n{self.tail()}")
-            if self.healthy():
-                return self
-            if BIND_FAILED in self.log_text():
-                self.stop()
-                raise PortTaken(f"{self.config.name}: port {self.port} is taken; last log lines:\n{self.tail(5)}")
-            time.sleep(2)
-        self.stop()
-        raise TimeoutError(f"{self.config.name}: not healthy after {timeout_s:.0f} s; last log lines:\n{self.tail()}")
+        try:
+            wait_serving(self.proc, self.log_path, self.healthy, timeout_s, self.config.name)
+        except (PortTaken, TimeoutError):
+            self.stop()
+            raise
+        return self
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -210,13 +233,7 @@ class Server:
 
     def healthy(self) -> bool:
         """``/health_generate`` answers 200 (an empty body) once the server has generated a token."""
-        import urllib.request
-
-        try:
-            with urllib.request.urlopen(self.url + "/health_generate", timeout=10) as r:
-                return r.status == 200
-        except OSError:  # refused while starting, or 503
-            return False
+        return answers(self.url + "/health_generate")
 
     def _get(self, route: str, timeout: float = 30):
         import urllib.request

@@ -10,11 +10,11 @@ import time
 
 import pytest
 import torch
-from ports import free_port
 
 from harness.config import load_config
 from harness.loss import group_advantages, policy_loss, token_weights
 from harness.run import main, run
+from harness.trainer import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -32,7 +32,7 @@ from envs.rollout.compaction import CompactionConfig
 
 TESTS = Path(__file__).parent
 sys.path.insert(0, str(TESTS))
-from ports import free_port  # noqa: E402
+from harness.trainer import free_port  # noqa: E402
 
 HAS_SGLANG = importlib.util.find_spec("sglang") is not None
 

@@ -32,8 +32,9 @@ ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
 import sglang_graph_step as graph_steps  # noqa: E402
 import sglang_session as script  # noqa: E402
-from ports import free_port  # noqa: E402
-from server_ready import wait_ready  # noqa: E402
+
+from bench.sglang_servers import answers, wait_serving  # noqa: E402
+from harness.trainer import free_port  # noqa: E402
 
 
 def sglang_env() -> dict:
@@ -406,7 +407,7 @@ def kv4rl_server_process(model_path, log: Path, *flags: str):
              "--port", str(port), "--skip-server-warmup", "--log-level", "warning", *flags],
             env=sglang_env(), stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        wait_ready(url, server, log)
+        wait_serving(server, log, lambda: answers(url + "/get_model_info"), timeout_s=300)
         yield url
     finally:
         server.terminate()

@@ -36,8 +36,6 @@ TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 sys.path.insert(0, str(TESTS))
 import sglang_graph_step as graph_steps  # noqa: E402
-from ports import free_port  # noqa: E402
-from server_ready import wait_ready  # noqa: E402
 
 # the streams, the built-in engine's replay of them and the comparison: bench.sglang_parity (its CLI tells a gap's
 # sources on any device); MAX_DIFF / MEAN_DIFF: SGLang (CUDA graphs) vs the built-in engine, both kv4rl in bf16
@@ -53,6 +51,8 @@ from bench.sglang_parity import (  # noqa: E402
     builtin_rounds,
     gap,
 )
+from bench.sglang_servers import answers, wait_serving  # noqa: E402
+from harness.trainer import free_port  # noqa: E402
 
 
 def env() -> dict:
@@ -128,7 +128,7 @@ def server(model_path, tmp_path_factory):
                                 stderr=subprocess.STDOUT, cwd=ROOT)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_ready(url, proc, log, timeout_s=420)
+        wait_serving(proc, log, lambda: answers(url + "/get_model_info"), timeout_s=420)
         yield url, log
     finally:
         proc.terminate()
