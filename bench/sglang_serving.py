@@ -34,6 +34,8 @@ CONFIGS = {
     "kv4rl": ServerConfig("kv4rl", OURS, ("--kv4rl", "--enable-kv-streams")),
     # the same with HF's rounding in the model (``--hf-numerics``): what on-policy logprobs cost per step
     "kv4rl_hf": ServerConfig("kv4rl_hf", OURS, ("--kv4rl", "--enable-kv-streams", "--hf-numerics")),
+    "kv4rl_hf_norms": ServerConfig("kv4rl_hf_norms", OURS, ("--kv4rl", "--enable-kv-streams", "--hf-numerics",
+                                                            "--hf-numerics-parts", "norms")),
 }
 DEFAULT_CONFIGS = "stock_bf16,stock_fp8,kv4rl"
 STREAM_TOKENS = 8192

@@ -12,7 +12,8 @@ the logprobs of the same stream drift from the built-in engine's (on the H200, 2
 code (``transformers``' RMSNorm forward, rotary embedding, ``apply_rotary_pos_emb`` and activation) on the
 same tensors, and each merged projection runs one GEMM per part, as HF's separate ``nn.Linear`` modules do.
 
-The cost is launches: on CUDA about ten more small kernels per layer (captured in the CUDA graphs). Off by
+The cost is launches: on CUDA a few more small kernels per layer (captured in the CUDA graphs); the norms, the
+most of them in HF's code, run as one kernel each that rounds as HF's code does (``kernels.hf_rms_norm``). Off by
 default: a user trades decode speed for on-policy logprobs. Only Qwen3 checkpoints are supported (the
 architecture the project trains); another architecture is refused with the reason. ``--hf-numerics-parts``
 aligns only some parts (``PARTS``), to tell which carries a gap and what each costs: on the CPU the norms alone
@@ -25,6 +26,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
+
+from ..kernels import hf_rms_norm
 
 SUPPORTED = ("qwen3",)
 
@@ -81,11 +84,14 @@ def rope_table(rotary_cls, hf_config, rows: int, device, dtype) -> tuple[torch.T
 
 
 def _norm_forward(module, hf_forward):
+    """HF's norm; on CUDA the one-kernel form of it (``kernels.hf_rms_norm``: HF's code is ~8 launches a norm)."""
     def forward(x, residual=None, post_residual_addition=None):
-        if residual is None:
-            return hf_forward(module, x)
         if post_residual_addition is not None:
             residual = residual + post_residual_addition
+        if x.is_cuda and hf_rms_norm.supported(x, module.weight):
+            return hf_rms_norm.hf_rms_norm(x, module.weight, module.variance_epsilon, residual)
+        if residual is None:
+            return hf_forward(module, x)
         residual = residual + x  # HF: ``hidden_states = residual + hidden_states``, rounded, then normalised
         return hf_forward(module, residual), residual
     return forward
