@@ -158,7 +158,9 @@ class SGLangConfig:
 CONFIGS = {c.name: c for c in (
     SGLangConfig("kv4rl", True, False), SGLangConfig("kv4rl_hf", True, True),
     SGLangConfig("bf16", False, False), SGLangConfig("bf16_hf", False, True),
-    *(SGLangConfig(f"kv4rl_hf_{part}", True, True, part) for part in PARTS))}
+    *(SGLangConfig(f"kv4rl_hf_{part}", True, True, part) for part in PARTS),
+    # all the norms: on CUDA SGLang's Qwen3 normalises q and k in one fused in-place kernel, past the norm modules
+    SGLangConfig("kv4rl_hf_all_norms", True, True, "norms,qk_prepare"))}
 
 
 def sglang_turns(model_path: str, config: SGLangConfig, device: str) -> list:

@@ -34,8 +34,9 @@ CONFIGS = {
     "kv4rl": ServerConfig("kv4rl", OURS, ("--kv4rl", "--enable-kv-streams")),
     # the same with HF's rounding in the model (``--hf-numerics``): what on-policy logprobs cost per step
     "kv4rl_hf": ServerConfig("kv4rl_hf", OURS, ("--kv4rl", "--enable-kv-streams", "--hf-numerics")),
+    # only the norms (q/k norms too: SGLang's CUDA Qwen3 fuses them past the modules), each one HF-rounding kernel
     "kv4rl_hf_norms": ServerConfig("kv4rl_hf_norms", OURS, ("--kv4rl", "--enable-kv-streams", "--hf-numerics",
-                                                            "--hf-numerics-parts", "norms")),
+                                                            "--hf-numerics-parts", "norms,qk_prepare")),
 }
 DEFAULT_CONFIGS = "stock_bf16,stock_fp8,kv4rl"
 STREAM_TOKENS = 8192
