@@ -160,7 +160,9 @@ def compaction(strategy: str, execution: str, a) -> object:
 
 
 def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
-    flags = ["--max-running-requests", str(a.max_running_requests), "--enable-metrics"]
+    rows = a.ours_max_running_requests if setup.kv == "kv4rl" and a.ours_max_running_requests else \
+        a.max_running_requests
+    flags = ["--max-running-requests", str(rows), "--enable-metrics"]
     env = {}
     cfg = setup.server
     if a.device == "cpu":  # CI: the CPU build of SGLang with the test shims (tests/sglang_cpu_shims)
@@ -170,8 +172,7 @@ def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
         cpu_flags, env = cpu_flags_env(a.max_total_tokens)
         flags += cpu_flags
     else:
-        flags += ["--mem-fraction-static", str(a.mem_fraction), "--cuda-graph-max-bs-decode",
-                  str(a.max_running_requests)]
+        flags += ["--mem-fraction-static", str(a.mem_fraction), "--cuda-graph-max-bs-decode", str(rows)]
         prefill_graph = a.ours_prefill_graph if setup.client != "stock" and a.ours_prefill_graph else a.prefill_graph
         if prefill_graph == "full" and setup.client != "stock" and a.ours_prefill_graph_slots:
             # SGLang's JSON form: the request slots a "full" prefill graph holds (default chunked_prefill_size // 512)
@@ -606,6 +607,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--max-running-requests", type=int, default=256,
                    help="every server's request rows; also sizes kv4rl's INT8 side cache (144 positions x 73 KiB per\n"
                         "row with the Qwen3-4B shape)")
+    g.add_argument("--ours-max-running-requests", type=int, default=None,
+                   help="request rows of the kv4rl servers instead (each row holds an INT8 side row, taken from the\n"
+                        "same memory as the KV pool: 257 rows are 2.6 GiB of the 9 GiB --mem-fraction 0.12 leaves a\n"
+                        "4B model on an H200; rows the KV cannot fill anyway give their bytes to the pool)")
     g.add_argument("--free-rows", type=int, default=32,
                    help="request rows the admission keeps free (see the module docstring)")
     g.add_argument("--prefill-graph", default="default", choices=("default", "breakable", "disabled"),
@@ -780,7 +785,8 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
     result = dict(header(a, argv), study="rollouts", settings=dict(
         configs=a.configs, strategies=strategies, mem_fraction_static=a.mem_fraction if a.device != "cpu" else None,
         max_total_tokens=a.max_total_tokens if a.device == "cpu" else None,
-        max_running_requests=a.max_running_requests, prefill_graph=a.prefill_graph,
+        max_running_requests=a.max_running_requests, ours_max_running_requests=a.ours_max_running_requests,
+        prefill_graph=a.prefill_graph,
         ours_prefill_graph=a.ours_prefill_graph, ours_prefill_graph_slots=a.ours_prefill_graph_slots,
         turn_batching=a.turn_batching, turn_batch_max_delay_ms=a.turn_batch_max_delay_ms,
         games=a.games if a.games == "recorded" else "long {},{} turns".format(*a.long_turns),

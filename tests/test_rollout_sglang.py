@@ -191,6 +191,21 @@ CPU_ARGS = ["--device", "cpu", "--configs", "stock_bf16,streams_bf16", "--strate
             "--pyspy", "--profile-configs", "stock_bf16,streams_bf16"]
 
 
+def test_ours_max_running_requests_sizes_only_the_kv4rl_servers_rows(tmp_path):
+    """Each kv4rl request row holds an INT8 side row out of the KV memory: the kv4rl servers may get fewer rows (and
+    their decode graphs as many), every other server keeps ``--max-running-requests``."""
+    from bench.rollout_sglang import SETUPS, parse_args, server_for
+
+    a = parse_args(["--model", "M", "--out", str(tmp_path / "o.json"), "--ours-max-running-requests", "96"])
+
+    def flag(server, name):
+        return server.flags[server.flags.index(name) + 1]
+
+    for name, rows in (("stock_bf16", "256"), ("streams_bf16", "256"), ("streams_kv4rl", "96"), ("kv4rl_full", "96")):
+        server = server_for(SETUPS[name], a, 1, tmp_path)
+        assert (flag(server, "--max-running-requests"), flag(server, "--cuda-graph-max-bs-decode")) == (rows, rows)
+
+
 @pytest.fixture(scope="module")
 def cpu_servers(tiny_model_path, tmp_path_factory):
     """A stock SGLang server and ours (``--enable-kv-streams``, bf16) on the tiny model, started side by side."""

@@ -22,6 +22,8 @@
 # - OURS_PREFILL_GRAPH=full captures our servers' whole prefill steps (attention included); stock keeps its default.
 #   2026-12-04: 2.12x stock bf16 on long games; 37 of 407 prefill steps ran eagerly (over SGLang's 16 request slots):
 #   OURS_PREFILL_SLOTS=64 captures 64 slots per graph (--cuda-graph-config ...full_prefill_max_req; not yet measured).
+# - OURS_ROWS=128 gives the kv4rl servers 128 request rows (each holds an INT8 side row, 10.8 MB at the 4B shape, out
+#   of the KV memory: 257 rows took 2.6 of the 9 GiB in the long-games runs, whose ours admitted 58 episodes).
 # - PROFILE=40 records 40 steps of each server with SGLang's torch profiler, summarised into the JSON (bench.trace_summary).
 # - PYSPY=1 samples each PROFILE_CONFIGS server's scheduler and the bench's client with py-spy over the window (the
 #   Python between steps: bench.pyspy); carry .devtools (bash bench/device/tools_bundle.sh .devtools, ~3 MB).
@@ -37,7 +39,7 @@ MODEL=/tmp/qwen3-4b
 [ -f $MODEL/config.json ] || python3 -m kvstreams_sglang.checkpoints $MODEL --shape qwen3-4b --dtype bfloat16 \
   --device cuda > /dev/null || exit 1
 COMMON="--model $MODEL --warmup ${WARMUP:-15} --duration ${DURATION:-15} --min-duration ${DURATION:-15} --budget-s 5000
-  --games ${GAMES:-recorded} --long-turns ${LONG_TURNS:-30,60} --prefill-graph ${PREFILL_GRAPH:-default} ${OURS_PREFILL_GRAPH:+--ours-prefill-graph $OURS_PREFILL_GRAPH} ${OURS_PREFILL_SLOTS:+--ours-prefill-graph-slots $OURS_PREFILL_SLOTS} --turn-batching ${TURN_BATCHING:-0} --turn-batch-max-delay-ms ${TURN_BATCH_MS:-30}
+  --games ${GAMES:-recorded} --long-turns ${LONG_TURNS:-30,60} --prefill-graph ${PREFILL_GRAPH:-default} ${OURS_PREFILL_GRAPH:+--ours-prefill-graph $OURS_PREFILL_GRAPH} ${OURS_PREFILL_SLOTS:+--ours-prefill-graph-slots $OURS_PREFILL_SLOTS} ${OURS_ROWS:+--ours-max-running-requests $OURS_ROWS} --turn-batching ${TURN_BATCHING:-0} --turn-batch-max-delay-ms ${TURN_BATCH_MS:-30}
   --profile-steps ${PROFILE:-0} --profile-configs ${PROFILE_CONFIGS:-stock_bf16,streams_kv4rl} ${PYSPY:+--pyspy}"
 LIMIT=${ROLLOUT_TIMEOUT:-540}
 case $MODE in

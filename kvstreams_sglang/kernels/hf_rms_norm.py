@@ -46,8 +46,8 @@ def _hf_rms_norm_kernel(X, R, W, OUT, SUM, stride_x, stride_r, stride_o, stride_
     variance = tl.sum(x32 * x32, axis=0) * inv_n  # torch's mean: the sum times 1/N
     normed = _rounded(x32 * tl.math.rsqrt(variance + eps), OUT.dtype.element_ty, BF16)
     w = tl.load(W + cols, mask=mask, other=0.0)
-    tl.store(OUT + row * stride_o + cols, _rounded(w.to(tl.float32) * normed.to(tl.float32), OUT.dtype.element_ty, BF16),
-             mask=mask)
+    out = _rounded(w.to(tl.float32) * normed.to(tl.float32), OUT.dtype.element_ty, BF16)  # HF: weight * normed
+    tl.store(OUT + row * stride_o + cols, out, mask=mask)
 
 
 def mean_factor(rows: int, n: int) -> float:
