@@ -28,6 +28,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from array import array
 
 import torch
@@ -57,8 +58,6 @@ def install(server_args) -> None:
 def _install_hf_numerics() -> None:
     """Once the model has loaded, its modules compute with HF's numerics (``hf_numerics``); weight updates load
     into the same modules."""
-    import logging
-
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     from . import hf_numerics
@@ -344,9 +343,14 @@ def _install_kv4rl() -> None:
         available = original_profile(self, pre_model_load_memory)
         sink, recent = kv4_settings(self)
         # one INT8 row per req_to_token row: the requests' and the reserved row 0 (padded CUDA-graph rows)
-        side = KV4TokenToKVPool.side_bytes(self.server_args.max_running_requests + 1,
-                                           *shape(self, self.layer_info.num_effective_layers), sink=sink,
+        rows = self.server_args.max_running_requests
+        side = KV4TokenToKVPool.side_bytes(rows + 1, *shape(self, self.layer_info.num_effective_layers), sink=sink,
                                            recent=recent)
+        share = side / available if available > 0 else 1.0
+        # every request row holds its INT8 side row, whether or not the KV could hold that many requests
+        (logging.getLogger(__name__).warning if share > 0.2 else logging.getLogger(__name__).info)(
+            "kv4rl: the INT8 side cache (%d request rows x %d sink + recent positions) takes %.2f GiB, %.0f%% of the "
+            "KV memory; --max-running-requests sizes it", rows + 1, sink + recent, side / 2**30, 100 * share)
         return max(0, available - side)
 
     original_build = Configurator._build_token_to_kv_pool
