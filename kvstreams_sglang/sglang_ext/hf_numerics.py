@@ -86,7 +86,7 @@ def rope_table(rotary_cls, hf_config, rows: int, device, dtype) -> tuple[torch.T
 def _norm_forward(module, hf_forward):
     """HF's norm; on CUDA the one-kernel form of it (``kernels.hf_rms_norm``: HF's code is ~8 launches a norm)."""
     def forward(x, residual=None, post_residual_addition=None):
-        if post_residual_addition is not None:
+        if residual is not None and post_residual_addition is not None:
             residual = residual + post_residual_addition
         if x.is_cuda and hf_rms_norm.supported(x, module.weight):
             return hf_rms_norm.hf_rms_norm(x, module.weight, module.variance_epsilon, residual)

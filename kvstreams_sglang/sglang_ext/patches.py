@@ -349,8 +349,8 @@ def _install_kv4rl() -> None:
         share = side / available if available > 0 else 1.0
         # every request row holds its INT8 side row, whether or not the KV could hold that many requests
         (logging.getLogger(__name__).warning if share > 0.2 else logging.getLogger(__name__).info)(
-            "kv4rl: the INT8 side cache (%d request rows x %d sink + recent positions) takes %.2f GiB, %.0f%% of the "
-            "KV memory; --max-running-requests sizes it", rows + 1, sink + recent, side / 2**30, 100 * share)
+            "kv4rl: the INT8 side cache (a row of %d sink + recent positions per request row, --max-running-requests "
+            "%d) takes %.2f GiB, %.0f%% of the KV memory", sink + recent, rows, side / 2**30, 100 * share)
         return max(0, available - side)
 
     original_build = Configurator._build_token_to_kv_pool
