@@ -1,4 +1,4 @@
-"""The KV4 Triton kernels compile for the H200 (sm_90) on any machine, GPU or not.
+"""The Triton kernels (KV4, and the HF-rounding norm) compile for the H200 (sm_90) on any machine, GPU or not.
 
 CI runs the kernels under Triton's interpreter, which accepts code the compiler rejects (a string default of a
 ``tl.constexpr`` helper parameter passed the interpreter and failed on the H200: 2026-12-03). Each case here goes
@@ -20,10 +20,11 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kvstreams_sglang.kernels import decode, extend, quantize, store
+    from kvstreams_sglang.kernels import decode, extend, hf_rms_norm, quantize, store
 
     KERNELS = dict(query=quantize._query_kernel, decode=decode._decode_kernel, extend=extend._extend_kernel,
-                   merge=extend._merge_splits_kernel, store=store._store_kernel)
+                   merge=extend._merge_splits_kernel, store=store._store_kernel,
+                   hf_rms_norm=hf_rms_norm._hf_rms_norm_kernel)
     INTS = {"H", "R", "N", "num_heads", "chunk", "magic"}
     case = json.loads(sys.argv[1])
     fn = KERNELS[case["kernel"]]
@@ -35,7 +36,7 @@ SCRIPT = textwrap.dedent("""
             signature[name] = "*" + case["pointers"][name]
         elif name.startswith("stride_") or name in INTS:
             signature[name] = "i32"
-        elif name == "sm_scale_log2":
+        elif name in ("sm_scale_log2", "inv_n", "eps"):
             signature[name] = "fp32"
         else:
             raise SystemExit(f"no type for {case['kernel']}'s argument {name}")
@@ -70,6 +71,8 @@ CASES = {
     "store": dict(kernel="store", pointers=dict(K="bf16", V="bf16", Slots="i64", SideSlots="i64", Hmat="fp32", **CACHE,
                                                 KMeta="fp16", VMeta="fp16"),
                   constexprs=dict(HALF=64, BLOCK_T=64, ROTATE=True, ROT_PREC="tf32x3")),
+    "hf_rms_norm": dict(kernel="hf_rms_norm", pointers=dict(X="bf16", R="bf16", W="bf16", OUT="bf16", SUM="bf16"),
+                        constexprs=dict(HAS_RESIDUAL=True, BF16=True, BLOCK=4096)),
 }
 
 
