@@ -173,7 +173,8 @@ def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
         cpu_flags, env = cpu_flags_env(a.max_total_tokens)
         flags += cpu_flags
     else:
-        flags += ["--mem-fraction-static", str(a.mem_fraction), "--cuda-graph-max-bs-decode", str(rows)]
+        flags += ["--cuda-graph-max-bs-decode", str(rows)]
+        flags += ["--mem-fraction-static", str(a.mem_fraction)] if a.mem_fraction is not None else []
         prefill_graph = a.ours_prefill_graph if setup.client != "stock" and a.ours_prefill_graph else a.prefill_graph
         if prefill_graph == "full" and setup.client != "stock" and a.ours_prefill_graph_slots:
             # SGLang's JSON form: the request slots a "full" prefill graph holds (default chunked_prefill_size // 512)
@@ -456,7 +457,7 @@ def summarize(run: dict, setup: Setup, strategy: str, server: Server, bytes_: di
     row = dict(
         config=setup.name, label=setup.label, strategy=strategy, execution=setup.execution, kv_format=setup.kv,
         window_s=window, warmup_and_drain_s=run["wall_s"] - window, episodes_completed=n,
-        episodes_per_s=n / window if window else 0.0,
+        episodes_per_s=n / window if window else 0.0, episodes_per_s_interval=completions_interval(n, window),
         gpu_s_per_100_episodes=100 * window / n if n else None,  # the GPU is the server's for the whole window
         gpu_busy_s_per_100_episodes=100 * prof["gpu_busy_s"] / n if n and "gpu_busy_s" in prof else None,
         output_tokens=out_tokens, output_tokens_per_s=out_tokens / window if window else 0.0,
@@ -491,6 +492,23 @@ def summarize(run: dict, setup: Setup, strategy: str, server: Server, bytes_: di
 # ---- targets ----
 
 
+def completions_interval(n: int, window_s: float) -> list[float]:
+    """95% interval of an episode rate from ``n`` completions in ``window_s`` (Poisson, normal approximation):
+    a 15 s window completes 15-40 long episodes, so one run's rate is uncertain by 30-50%."""
+    if not window_s:
+        return [0.0, 0.0]
+    half = 1.96 * n ** 0.5
+    return [max(0.0, n - half) / window_s, (n + half) / window_s]
+
+
+def ratio_interval(ra: dict, rb: dict) -> list[float] | None:
+    """The episodes/s ratio's range from both runs' completion intervals (conservative: the ends combined).
+    The ratio of output tokens/s (``ratio_by_output_tokens``) measures the same work with far less noise:
+    both servers replay the same episode list, so generated tokens per episode are alike."""
+    (a0, a1), (b0, b1) = (completions_interval(r["episodes_completed"], r["window_s"]) for r in (ra, rb))
+    return [a0 / b1, a1 / b0] if b0 > 0 else None
+
+
 def targets(runs: list[dict]) -> list[dict]:
     """The issue's targets on ``runs`` (episodes per GPU-second = episodes/s on one GPU)."""
     by = {(r["config"], r["strategy"]): r for r in runs}
@@ -504,7 +522,9 @@ def targets(runs: list[dict]) -> list[dict]:
             return dict(t, met=None, why="not measured")
         x = ra["episodes_per_s"] / rb["episodes_per_s"]
         met = x > factor if strict else x >= factor
-        t.update(ratio=x, met=met)
+        t.update(ratio=x, met=met, ratio_interval=ratio_interval(ra, rb),
+                 ratio_by_output_tokens=(ra["output_tokens_per_s"] / rb["output_tokens_per_s"]
+                                         if rb["output_tokens_per_s"] else None))
         if not met:
             t["where_the_time_goes"] = {c: profile_line(r) for c, r in ((a, ra), (b, rb))}
         return t
@@ -521,6 +541,17 @@ def targets(runs: list[dict]) -> list[dict]:
                     met=all(r["reprefilled_tokens"] == 0 for r in ours) if ours else None,
                     reprefilled={f"{r['config']}/{r['strategy']}": r["reprefilled_tokens"] for r in ours}))
     return out
+
+
+def print_targets(ts: list[dict]) -> None:
+    for t in ts:
+        line = f"target {t['target']}: {'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}"
+        if "ratio" in t:
+            lo_hi = t.get("ratio_interval")
+            line += f" ({t['ratio']:.2f}x" + (f", 95% {lo_hi[0]:.2f}-{lo_hi[1]:.2f}x" if lo_hi else "")
+            line += (f"; output tokens/s {t['ratio_by_output_tokens']:.2f}x)" if t.get("ratio_by_output_tokens")
+                     else ")")
+        print(line)
 
 
 def profile_line(r: dict) -> dict:
@@ -586,6 +617,24 @@ def turn_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+def gpu_total_bytes() -> int:
+    """The first GPU's memory in bytes, 0 without one."""
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else 0
+
+
+def mem_fraction_for(static_gib: float, total_bytes: int) -> float:
+    """The ``--mem-fraction-static`` that gives a server ``static_gib`` of the GPU's memory: the same pool on
+    any card (a fixed fraction of an H100's 80 GB leaves 4x fewer KV bytes than of an H200's 141 GB beside
+    the same weights)."""
+    f = static_gib * 2**30 / total_bytes
+    if not 0.0 < f < 0.95:
+        raise ValueError(f"--static-gib {static_gib} is {f:.2f} of this GPU's {total_bytes / 2**30:.1f} GiB; "
+                         "give a value that leaves the GPU room for activations and CUDA graphs")
+    return round(f, 4)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.rollout_sglang", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawTextHelpFormatter)
@@ -602,9 +651,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=31100)
     p.add_argument("--seed", type=int, default=0)
     g = p.add_argument_group("servers")
-    g.add_argument("--mem-fraction", type=float, default=0.12,
-                   help="--mem-fraction-static of every server: on an H200 with a 4B model (8 GiB of weights) about "
-                        "7 GiB of KV, so that the pool, not the client, bounds concurrency")
+    g.add_argument("--static-gib", type=float, default=16.8,
+                   help="every server's static memory (weights, KV pool, side cache) in GiB:\n"
+                        "--mem-fraction-static is this over the GPU's total memory, so an H100 and an H200 run the\n"
+                        "same pool (16.8 GiB: 0.12 of an H200, about 9 GiB of KV beside a 4B model's weights, so that\n"
+                        "the pool bounds concurrency)")
+    g.add_argument("--mem-fraction", type=float, default=None,
+                   help="--mem-fraction-static of every server instead of --static-gib's (device-dependent)")
     g.add_argument("--max-running-requests", type=int, default=256,
                    help="every server's request rows; also sizes kv4rl's INT8 side cache (144 positions x 73 KiB per\n"
                         "row with the Qwen3-4B shape)")
@@ -672,6 +725,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--conc-alpha", type=float, default=1.1)
     g.add_argument("--conc-timeout", type=float, default=150.0, help="seconds one mode may take")
     a = p.parse_args(argv)
+    if a.mem_fraction is not None:
+        a.static_gib = None  # the fraction given stands
+    elif a.study == "rollouts" and a.device == "cuda" and gpu_total_bytes():  # (no GPU: only tests build flags)
+        a.mem_fraction = mem_fraction_for(a.static_gib, gpu_total_bytes())
     if a.quick:
         a.configs = a.configs or "stock_bf16,streams_kv4rl"
         a.strategies = "sliding_window"
@@ -727,6 +784,9 @@ def merge(parts: list[Path], out: Path) -> dict:
     key = ("episodes", "games", "seed", "template", "window", "markovian_turns", "length_scale", "mem_fraction_static",
            "prefill_graph")
     for p, r in zip(parts[1:], results[1:], strict=True):
+        if r.get("device") != first.get("device"):
+            raise ValueError(f"{p} ran on {r.get('device')}, {parts[0]} on {first.get('device')}: timings of "
+                             "different GPUs are not comparable")
         diff = [k for k in key if r["settings"].get(k) != first["settings"].get(k)]
         if diff:
             raise ValueError(f"{p} was run with other settings than {parts[0]} ({', '.join(diff)}): not comparable")
@@ -740,6 +800,7 @@ def merge(parts: list[Path], out: Path) -> dict:
     merged["targets"] = targets(merged["runs"])
     out.write_text(json.dumps(merged, indent=1, default=str) + "\n")
     plot(merged, out.with_suffix(".png"))
+    print_targets(merged["targets"])
     return merged
 
 
@@ -785,6 +846,7 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
         peaks[st] = (episode_peaks_in_processes(sizer, specs, c) if sizer else None)
     result = dict(header(a, argv), study="rollouts", settings=dict(
         configs=a.configs, strategies=strategies, mem_fraction_static=a.mem_fraction if a.device != "cpu" else None,
+        static_gib=a.static_gib if a.device != "cpu" else None,
         max_total_tokens=a.max_total_tokens if a.device == "cpu" else None,
         max_running_requests=a.max_running_requests, ours_max_running_requests=a.ours_max_running_requests,
         prefill_graph=a.prefill_graph,
@@ -869,9 +931,7 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
         plot(result, a.out.with_suffix(".png"))
     except Exception as e:  # a plotting problem must not lose the numbers
         print(f"plot failed: {e!r}")
-    for t in result["targets"]:
-        print(f"target {t['target']}: {'met' if t['met'] else 'MISSED' if t['met'] is False else 'n/a'}"
-              + (f" ({t['ratio']:.2f}x)" if "ratio" in t else ""))
+    print_targets(result["targets"])
     print(f"wrote {a.out} in {result['total_s']:.0f}s")
     return result
 

@@ -160,7 +160,7 @@ def run_row(config, strategy, eps_per_s, reprefilled=0, execution=None):
                 execution=execution or ("reprefill" if config.startswith("stock") else "kv_streams"),
                 concurrency=dict(mean_admitted=40, limited_by="kv"), step_profile=prof,
                 prefill_tokens_computed_per_episode=900, reprefilled_tokens_per_episode=reprefilled / 10,
-                output_tokens_per_s=eps_per_s * 50)
+                output_tokens_per_s=eps_per_s * 50, episodes_completed=round(eps_per_s * 15), window_s=15.0)
 
 
 def test_targets_say_what_was_met_and_where_the_time_goes():
@@ -204,6 +204,37 @@ def test_ours_max_running_requests_sizes_only_the_kv4rl_servers_rows(tmp_path):
     for name, rows in (("stock_bf16", "256"), ("streams_bf16", "256"), ("streams_kv4rl", "96"), ("kv4rl_full", "96")):
         server = server_for(SETUPS[name], a, 1, tmp_path)
         assert (flag(server, "--max-running-requests"), flag(server, "--cuda-graph-max-bs-decode")) == (rows, rows)
+
+
+def test_static_gib_gives_every_gpu_the_same_pool():
+    """A fixed --mem-fraction-static leaves an H100 (80 GB) a quarter of the KV bytes an H200 (141 GB) gets beside
+    the same 8 GiB of weights; --static-gib sizes the fraction by the card."""
+    from bench.rollout_sglang import mem_fraction_for
+
+    h100, h200 = 85_520_809_984, 150_110_011_392
+    assert mem_fraction_for(16.8, h200) == pytest.approx(0.12, abs=0.002)
+    assert mem_fraction_for(16.8, h100) == pytest.approx(0.211, abs=0.002)
+    assert mem_fraction_for(16.8, h100) * h100 == pytest.approx(mem_fraction_for(16.8, h200) * h200, rel=1e-3)
+    with pytest.raises(ValueError, match="static-gib"):
+        mem_fraction_for(90.0, h100)
+
+
+def test_completion_counts_bound_the_episode_rate():
+    """A 15 s window completes 15-40 long episodes: the ratio's interval says how much one run can tell, and the
+    output-token ratio (same episode list on both servers) is the steadier measure of the same work."""
+    from bench.rollout_sglang import completions_interval, targets
+
+    lo, hi = completions_interval(16, 16.0)
+    assert lo == pytest.approx((16 - 1.96 * 4) / 16) and hi == pytest.approx((16 + 1.96 * 4) / 16)
+    runs = [run_row("stock_bf16", "sliding_window", 1.0, 5000), run_row("streams_kv4rl", "sliding_window", 2.5)]
+    for r, n, tok in zip(runs, (15, 32), (905.0, 1931.0), strict=True):  # the H100 run of 2026-12-05
+        r.update(episodes_completed=n, window_s=15.0, output_tokens_per_s=tok)
+    three = targets(runs)[0]
+    a0, a1 = completions_interval(32, 15.0)
+    b0, b1 = completions_interval(15, 15.0)
+    assert three["ratio_interval"] == pytest.approx([a0 / b1, a1 / b0])
+    assert three["ratio_interval"][0] < 1.0 < 3.0 < three["ratio_interval"][1]  # one 15 s window cannot tell
+    assert three["ratio_by_output_tokens"] == pytest.approx(1931 / 905)
 
 
 @pytest.fixture(scope="module")
@@ -358,4 +389,8 @@ def test_merge_puts_the_calls_side_by_side_and_refuses_other_settings(tmp_path):
     other["settings"] = dict(other["settings"], seed=1)
     parts[1].write_text(json.dumps(other))
     with pytest.raises(ValueError, match="seed"):
+        merge(parts, tmp_path / "refused.json")
+    other = dict(json.loads(parts[0].read_text()), device="NVIDIA H100 80GB HBM3")
+    parts[0].write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="different GPUs"):
         merge(parts, tmp_path / "refused.json")

@@ -24,6 +24,12 @@
 #   OURS_PREFILL_SLOTS=64 captures 64 slots per graph (--cuda-graph-config ...full_prefill_max_req; not yet measured).
 # - OURS_ROWS=128 gives the kv4rl servers 128 request rows (each holds an INT8 side row, 10.8 MB at the 4B shape, out
 #   of the KV memory: 257 rows took 2.6 of the 9 GiB in the long-games runs, whose ours admitted 58 episodes).
+# - (2026-12-05, an H100) a fixed --mem-fraction 0.12 left 13k-token pools beside the 8 GiB of weights on an 80 GB
+#   card: the bench now sizes every server's static memory in GiB (--static-gib 16.8, 0.12 of an H200; STATIC_GIB=,
+#   or MEM_FRACTION= for a fixed fraction). OURS_ROWS=128, long games: ours kv4rl 2.14x stock bf16 in episodes/s and
+#   2.13x in output tokens/s, 1.46x / 1.80x stock fp8 (bench/results/rollout_sglang_long_games_h100.json). A 15 s window
+#   completes only 15-40 long episodes (the ratio's 95% interval was 0.93-5.83x), so DURATION is now 45 s by default;
+#   the output-token ratio (same episode list everywhere) is the steadier measure and is printed beside.
 # - PROFILE=40 records 40 steps of each server with SGLang's torch profiler, summarised into the JSON (bench.trace_summary).
 # - PYSPY=1 samples each PROFILE_CONFIGS server's scheduler and the bench's client with py-spy over the window (the
 #   Python between steps: bench.pyspy); carry .devtools (bash bench/device/tools_bundle.sh .devtools, ~3 MB).
@@ -38,8 +44,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 MODEL=/tmp/qwen3-4b
 [ -f $MODEL/config.json ] || python3 -m kvstreams_sglang.checkpoints $MODEL --shape qwen3-4b --dtype bfloat16 \
   --device cuda > /dev/null || exit 1
-COMMON="--model $MODEL --warmup ${WARMUP:-15} --duration ${DURATION:-15} --min-duration ${DURATION:-15} --budget-s 5000
-  --games ${GAMES:-recorded} --long-turns ${LONG_TURNS:-30,60} --prefill-graph ${PREFILL_GRAPH:-default} ${OURS_PREFILL_GRAPH:+--ours-prefill-graph $OURS_PREFILL_GRAPH} ${OURS_PREFILL_SLOTS:+--ours-prefill-graph-slots $OURS_PREFILL_SLOTS} ${OURS_ROWS:+--ours-max-running-requests $OURS_ROWS} --turn-batching ${TURN_BATCHING:-0} --turn-batch-max-delay-ms ${TURN_BATCH_MS:-30}
+COMMON="--model $MODEL --warmup ${WARMUP:-15} --duration ${DURATION:-45} --min-duration ${DURATION:-45} --budget-s 5000
+  --games ${GAMES:-recorded} --long-turns ${LONG_TURNS:-30,60} --prefill-graph ${PREFILL_GRAPH:-default} ${OURS_PREFILL_GRAPH:+--ours-prefill-graph $OURS_PREFILL_GRAPH} ${OURS_PREFILL_SLOTS:+--ours-prefill-graph-slots $OURS_PREFILL_SLOTS} ${OURS_ROWS:+--ours-max-running-requests $OURS_ROWS} ${MEM_FRACTION:+--mem-fraction $MEM_FRACTION} ${STATIC_GIB:+--static-gib $STATIC_GIB} --turn-batching ${TURN_BATCHING:-0} --turn-batch-max-delay-ms ${TURN_BATCH_MS:-30}
   --profile-steps ${PROFILE:-0} --profile-configs ${PROFILE_CONFIGS:-stock_bf16,streams_kv4rl} ${PYSPY:+--pyspy}"
 LIMIT=${ROLLOUT_TIMEOUT:-540}
 case $MODE in
