@@ -58,6 +58,12 @@ ROUNDS = [
     [Turn(0, tokens(12, 17, 1)), Turn(1, tokens(60, 19, 3), spans=((50, 150), (181, 190))), Turn(2, tokens(9, 2, 7))],
 ]
 UPDATE_BEFORE_ROUND = 2
+# a short scenario for CPU tests whose kernels run under Triton's interpreter (each launch costs milliseconds): two
+# streams, an eviction and an observation between two rounds of a few tokens
+SMALL_PROMPTS = [tokens(40, 7, 3), tokens(30, 11, 5)]
+SMALL_ROUNDS = [[Turn(0, new=4), Turn(1, new=3)],
+                [Turn(0, tokens(8, 3, 2), new=4, spans=((20, 30),)), Turn(1, tokens(6, 5, 9), new=3)]]
+SCENARIOS = {"full": (PROMPTS, ROUNDS), "small": (SMALL_PROMPTS, SMALL_ROUNDS)}
 # the streams' first tokens go through the tree's shared (untagged) path, as a GRPO prompt would; the evictions
 # above start after them (the server refuses to evict a prefix other streams may share)
 SHARED_PREFIX = 16
@@ -86,20 +92,22 @@ def open_as_the_client(eng, prompt) -> int:
 
 
 def builtin_rounds(model_path: Path, sglang_turns: list, kv_dtype: str = "kv4rl", batched: bool = False,
-                   device: str = "cuda", chunked: bool = True) -> list:
+                   device: str = "cuda", chunked: bool = True, invariant: bool = False, scenario: str = "full") -> list:
     """The built-in engine (bf16) on the streams, teacher-forced on ``sglang_turns``. ``batched``: each round's
     turns in one ``generate_many`` (as a server batches them) instead of one by one: the built-in engine against
     itself under another batch tells the bf16 noise floor. ``chunked``: prompts opened as the client sends them
-    (``open_as_the_client``), else in one extend each."""
+    (``open_as_the_client``), else in one extend each. ``invariant``: the engine's ``batch_invariant`` kernels.
+    ``scenario``: the streams (``SCENARIOS``)."""
     import torch
 
     from kvstreams_sglang.engine import Engine, SamplingParams
 
     eng = Engine(str(model_path), kv_dtype=kv_dtype, device=device, dtype=torch.bfloat16, kv_slots=8192,
-                 max_streams=8)
-    sids = [open_as_the_client(eng, p) if chunked else eng.open_stream(list(p)) for p in PROMPTS]
+                 max_streams=8, batch_invariant=invariant)
+    prompts, rounds = SCENARIOS[scenario]
+    sids = [open_as_the_client(eng, p) if chunked else eng.open_stream(list(p)) for p in prompts]
     out = []
-    for round_, sgl in zip(ROUNDS, sglang_turns, strict=True):
+    for round_, sgl in zip(rounds, sglang_turns, strict=True):
         for t in round_:
             if t.spans:
                 eng.evict(sids[t.stream], t.spans)
@@ -115,14 +123,16 @@ def builtin_rounds(model_path: Path, sglang_turns: list, kv_dtype: str = "kv4rl"
     return out
 
 
-def compared_logprobs(sglang_turns: list, builtin: list) -> tuple[list[float], list[float], list[int]]:
+def compared_logprobs(sglang_turns: list, builtin: list, scenario: str = "full"
+                      ) -> tuple[list[float], list[float], list[int]]:
     """Logprobs at the positions where both engines' contexts were still the same: greedy, up to and including a
     stream's first differing token (two near-tied argmaxes: each engine's logprob of its own pick is the top logprob,
     so they still compare), nothing of that stream after; teacher-forced, everything. Also how many positions each
     stream had compared."""
-    ours, theirs, counts = [], [], [0] * len(PROMPTS)
+    prompts, rounds = SCENARIOS[scenario]
+    ours, theirs, counts = [], [], [0] * len(prompts)
     diverged = set()
-    for round_, sgl, blt in zip(ROUNDS, sglang_turns, builtin, strict=True):
+    for round_, sgl, blt in zip(rounds, sglang_turns, builtin, strict=True):
         for t, (s_tok, s_lp), (b_tok, b_lp) in zip(round_, sgl, blt, strict=True):
             if t.stream in diverged:
                 continue
@@ -136,11 +146,11 @@ def compared_logprobs(sglang_turns: list, builtin: list) -> tuple[list[float], l
     return ours, theirs, counts
 
 
-def gap(a: list, b: list) -> dict:
+def gap(a: list, b: list, scenario: str = "full") -> dict:
     """max and mean |logprob difference| of two runs over ``compared_logprobs``' positions."""
     import torch
 
-    x, y, counts = compared_logprobs(a, b)
+    x, y, counts = compared_logprobs(a, b, scenario)
     d = (torch.tensor(x, dtype=torch.float64) - torch.tensor(y, dtype=torch.float64)).abs()
     return {"max": float(d.max()), "mean": float(d.mean()), "compared": len(x), "per_stream": counts}
 
@@ -153,6 +163,7 @@ class SGLangConfig:
     kv4rl: bool
     hf_numerics: bool
     hf_numerics_parts: str = "all"  # --hf-numerics-parts: which part of the alignment carries a gap
+    invariant: bool = False  # --kv4rl-batch-invariant, against the built-in engine's batch_invariant
 
 
 CONFIGS = {c.name: c for c in (
@@ -160,10 +171,12 @@ CONFIGS = {c.name: c for c in (
     SGLangConfig("bf16", False, False), SGLangConfig("bf16_hf", False, True),
     *(SGLangConfig(f"kv4rl_hf_{part}", True, True, part) for part in PARTS),
     # all the norms: on CUDA SGLang's Qwen3 normalises q and k in one fused in-place kernel, past the norm modules
-    SGLangConfig("kv4rl_hf_all_norms", True, True, "norms,qk_prepare"))}
+    SGLangConfig("kv4rl_hf_all_norms", True, True, "norms,qk_prepare"),
+    # batch-invariant kernels on both sides: a stream's numerics independent of its batch and of graph padding
+    SGLangConfig("kv4rl_hf_invariant", True, True, invariant=True))}
 
 
-def sglang_turns(model_path: str, config: SGLangConfig, device: str) -> list:
+def sglang_turns(model_path: str, config: SGLangConfig, device: str, scenario: str = "full") -> list:
     """The streams turn by turn on an in-process ``KVStreamsEngine`` (bf16 weights, an fp32 LM head as the
     built-in engine and the trainer compute logprobs; on a GPU its default CUDA graphs, small capture sizes)."""
     from kvstreams_sglang.engine import SamplingParams
@@ -173,7 +186,7 @@ def sglang_turns(model_path: str, config: SGLangConfig, device: str) -> list:
     kwargs = dict(model_path=model_path, device=device, dtype="bfloat16", kv4rl=config.kv4rl, enable_kv_streams=True,
                   sampling_backend="pytorch", grammar_backend="none", max_total_tokens=8192, skip_server_warmup=True,
                   log_level="error", enable_fp32_lm_head=True, hf_numerics=config.hf_numerics,
-                  hf_numerics_parts=config.hf_numerics_parts,
+                  hf_numerics_parts=config.hf_numerics_parts, kv4rl_batch_invariant=config.invariant,
                   max_running_requests=8, context_length=4096)
     if device == "cpu":
         kwargs["attention_backend"] = None if config.kv4rl else "torch_native"
@@ -183,9 +196,10 @@ def sglang_turns(model_path: str, config: SGLangConfig, device: str) -> list:
     eng = KVStreamsEngine(**kwargs)
     try:
         streams = EngineStreams(eng)
-        sids = [streams.open_stream(list(p), shared_prefix_len=SHARED_PREFIX) for p in PROMPTS]
+        prompts, rounds = SCENARIOS[scenario]
+        sids = [streams.open_stream(list(p), shared_prefix_len=SHARED_PREFIX) for p in prompts]
         out = []
-        for round_ in ROUNDS:
+        for round_ in rounds:
             turns = []
             for t in round_:
                 if t.spans:
@@ -200,7 +214,8 @@ def sglang_turns(model_path: str, config: SGLangConfig, device: str) -> list:
         eng.shutdown()
 
 
-def run_sglang(model_path: str, config: SGLangConfig, device: str, out: Path, log: Path) -> list:
+def run_sglang(model_path: str, config: SGLangConfig, device: str, out: Path, log: Path,
+               scenario: str = "full") -> list:
     """``sglang_turns`` in a subprocess (a fresh engine and, on the CPU, SGLang's CPU build with the test shims)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     if device == "cpu":
@@ -208,7 +223,7 @@ def run_sglang(model_path: str, config: SGLangConfig, device: str, out: Path, lo
 
         env.update(cpu_flags_env(8192)[1])
     cmd = [sys.executable, "-m", "bench.sglang_parity", "_sglang", "--model", model_path, "--config", config.name,
-           "--device", device, "--out", str(out)]
+           "--device", device, "--out", str(out), "--scenario", scenario]
     with open(log, "w") as f:
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     if rc != 0:
@@ -225,6 +240,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", help="a Qwen3 checkpoint (default: a random one at the GPU test's shape, built here)")
     p.add_argument("--configs", default="kv4rl,kv4rl_hf,bf16,bf16_hf", help=f"of {', '.join(CONFIGS)}")
     p.add_argument("--config", help="(_sglang) the configuration")
+    p.add_argument("--scenario", default="full", choices=list(SCENARIOS),
+                   help="the streams: full (three prompts of 180-300 tokens, three rounds), small (CPU tests)")
     p.add_argument("--out", required=True, help="the JSON to write")
     p.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "sglang_parity"),
                    help="the model and each configuration's turns and log")
@@ -246,15 +263,18 @@ def table(a: argparse.Namespace) -> dict:
     configs = [CONFIGS[c] for c in a.configs.split(",")]
     rows, t0 = [], time.time()
     for config in tqdm(configs, desc="SGLang configurations"):
-        turns = run_sglang(model, config, a.device, work / f"{config.name}.json", work / f"{config.name}.log")
+        sc = a.scenario
+        turns = run_sglang(model, config, a.device, work / f"{config.name}.json", work / f"{config.name}.log", sc)
         kv = "kv4rl" if config.kv4rl else "bf16"
-        refs = {"client_chunks": builtin_rounds(Path(model), turns, kv, device=a.device)}
+        inv = config.invariant
+        ref_kw = dict(device=a.device, invariant=inv, scenario=sc)
+        refs = {"client_chunks": builtin_rounds(Path(model), turns, kv, **ref_kw)}
         if config.kv4rl:  # bf16 KV stores what an extend computed: chunking changes nothing there
-            refs["one_extend"] = builtin_rounds(Path(model), turns, kv, device=a.device, chunked=False)
-            refs["client_chunks_batched"] = builtin_rounds(Path(model), turns, kv, device=a.device, batched=True)
+            refs["one_extend"] = builtin_rounds(Path(model), turns, kv, chunked=False, **ref_kw)
+            refs["client_chunks_batched"] = builtin_rounds(Path(model), turns, kv, batched=True, **ref_kw)
         for ref, blt in refs.items():
-            g = gap(turns, blt)
-            rows.append({"sglang": config.name, "kv": kv, "hf_numerics": config.hf_numerics,
+            g = gap(turns, blt, sc)
+            rows.append({"sglang": config.name, "kv": kv, "hf_numerics": config.hf_numerics, "batch_invariant": inv,
                          "hf_numerics_parts": config.hf_numerics_parts if config.hf_numerics else None,
                          "reference": ref, **g,
                          "meets_issue_21": g["max"] <= MAX_DIFF and g["mean"] <= MEAN_DIFF})
@@ -262,6 +282,7 @@ def table(a: argparse.Namespace) -> dict:
                   f"({g['compared']} logprobs)")
     result = {"command": "python -m " + " ".join(["bench.sglang_parity", *sys.argv[1:]]), "device": a.device,
               "model": {"path": model, "shape": MODEL_FLAGS}, "thresholds": {"max": MAX_DIFF, "mean": MEAN_DIFF},
+              "scenario": a.scenario,
               "rows": rows, "seconds": round(time.time() - t0, 1),
               "note": "SGLang turn by turn on an in-process engine; the built-in engine teacher-forced on SGLang's "
                       "tokens (client_chunks: prompts opened as the client sends them, shared prefix first; "
@@ -279,7 +300,7 @@ def table(a: argparse.Namespace) -> dict:
 def main(argv=None) -> None:
     a = parse_args(argv)
     if a.mode == "_sglang":
-        turns = sglang_turns(a.model, CONFIGS[a.config], a.device)
+        turns = sglang_turns(a.model, CONFIGS[a.config], a.device, a.scenario)
         Path(a.out).write_text(json.dumps(turns))
         return
     table(a)

@@ -37,6 +37,9 @@ CONFIGS = {
     # only the norms (q/k norms too: SGLang's CUDA Qwen3 fuses them past the modules), each one HF-rounding kernel
     "kv4rl_hf_norms": ServerConfig("kv4rl_hf_norms", OURS, ("--kv4rl", "--enable-kv-streams", "--hf-numerics",
                                                             "--hf-numerics-parts", "norms,qk_prepare")),
+    # batch-invariant GEMMs, norm means and attention plans (the GPU parity test's second server): their cost per step
+    "kv4rl_invariant": ServerConfig("kv4rl_invariant", OURS, ("--kv4rl", "--enable-kv-streams", "--hf-numerics",
+                                                              "--kv4rl-batch-invariant")),
 }
 DEFAULT_CONFIGS = "stock_bf16,stock_fp8,kv4rl"
 STREAM_TOKENS = 8192
@@ -197,10 +200,11 @@ def ratios(result: dict) -> dict:
     ours = s.get("kv4rl")
     if not ours:
         return out
-    for key, r in s.get("kv4rl_hf", {}).get("shapes", {}).items():  # what --hf-numerics costs a decode step
-        b = ours["shapes"].get(key, {})
-        if r.get("ms_per_step") and b.get("ms_per_step"):
-            out[f"kv4rl_hf_step_over_kv4rl_{key}"] = r["ms_per_step"] / b["ms_per_step"]
+    for name in ("kv4rl_hf", "kv4rl_hf_norms", "kv4rl_invariant"):  # what the numerics flags cost a decode step
+        for key, r in s.get(name, {}).get("shapes", {}).items():
+            b = ours["shapes"].get(key, {})
+            if r.get("ms_per_step") and b.get("ms_per_step"):
+                out[f"{name}_step_over_kv4rl_{key}"] = r["ms_per_step"] / b["ms_per_step"]
     for base in ("stock_bf16", "stock_fp8"):
         if base not in s:
             continue

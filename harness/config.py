@@ -188,6 +188,9 @@ class Config(Section):
         if i.batch_invariant != (self.trainer.impl == "invariant"):
             raise ValueError("inference.batch_invariant = true and trainer.impl = 'invariant' go together: the "
                              "logprobs match only when both sides run the batch-invariant kernels")
+        if i.batch_invariant and i.kv_dtype != "bf16":
+            raise ValueError("inference.batch_invariant needs inference.kv_dtype = 'bf16': the trainer cannot replay "
+                             "INT4 rounding bit for bit")
         if i.batch_invariant and i.engine != "builtin":
             raise ValueError("inference.batch_invariant needs inference.engine = 'builtin' (SGLang's kernels are not "
                              "replayed bit for bit)")

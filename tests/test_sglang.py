@@ -148,6 +148,23 @@ def test_hf_numerics_kv4rl_bf16_logprobs_equal_builtin_engine_bit_for_bit(tiny_m
     assert rows["one_extend"]["max"] > 0.0
 
 
+def test_kv4rl_batch_invariant_server_equals_the_invariant_builtin_engine_bit_for_bit(tiny_model_path, tmp_path):
+    """``--kv4rl-batch-invariant`` (with ``--hf-numerics``) runs the built-in engine's ``batch_invariant`` kernels in
+    the server's model process: the GEMMs and norm means through ``kernels.batch_invariant``'s Triton kernel (here
+    under the interpreter, hence the short scenario). Its logprobs equal the invariant engine's to the bit, while
+    the engine's default kernels give other bits: the server's matmuls are the invariant kernel's. (Batched vs one
+    turn at a time is the GPU test's: on the CPU the engine's attention is the torch reference, not the kernels.)"""
+    from bench.sglang_parity import CONFIGS, builtin_rounds, gap, run_sglang
+
+    sc = "small"
+    turns = run_sglang(str(tiny_model_path), CONFIGS["kv4rl_hf_invariant"], "cpu", tmp_path / "turns.json",
+                       tmp_path / "sglang.log", sc)
+    same = gap(turns, builtin_rounds(tiny_model_path, turns, device="cpu", invariant=True, scenario=sc), sc)
+    default = gap(turns, builtin_rounds(tiny_model_path, turns, device="cpu", scenario=sc), sc)
+    assert all(n > 0 for n in same["per_stream"]) and same["max"] == 0.0
+    assert default["max"] > 0.0
+
+
 def test_kv4rl_ring_under_overlap_scheduling_equals_builtin_engine(tiny_model_path, tmp_path):
     """A recent window of 8 positions, so the session's rows wrap the INT8 ring many times. Under overlap
     scheduling a finished turn runs one more decode step, whose token the stream drops and the next turn
@@ -313,6 +330,7 @@ cases = {
     "hf_on_policy": dict(hf_numerics=True, rl_on_policy_target="fsdp"),
     "hf_parts_alone": dict(hf_numerics_parts="norms"),
     "hf_parts_unknown": dict(hf_numerics=True, hf_numerics_parts="norms,layernorm"),
+    "invariant_bf16": dict(enable_kv_streams=True, kv4rl_batch_invariant=True),
 }
 cuda_cases = {  # graph modes are checked on the resolved config (device cuda: it resolves on a CPU box too)
     "hf_piecewise": dict(hf_numerics=True, cuda_graph_backend_prefill="tc_piecewise"),
@@ -361,6 +379,7 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "--hf-numerics does not support --rl-on-policy-target" in out
     assert "--hf-numerics does not support the 'tc_piecewise' CUDA graph backend" in out
     assert "--hf-numerics-parts needs --hf-numerics" in out and "layernorm is not one of all, norms, rope" in out
+    assert "--kv4rl-batch-invariant needs --kv4rl" in out
 
 
 def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):

@@ -19,6 +19,7 @@ Each test prints what it measured before asserting (the device run keeps the out
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import os
 import re
@@ -107,11 +108,10 @@ def model_path(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def server(model_path, tmp_path_factory):
+@contextlib.contextmanager
+def kv4rl_server(model_path: Path, log: Path, *extra: str):
     """(URL, log path) of a kv4rl + kv-streams server with SGLang's default CUDA graphs, at small capture sizes."""
     port = free_port()
-    log = tmp_path_factory.mktemp("sglang_gpu") / "server.log"
     flags = ["--model-path", str(model_path), "--kv4rl", "--enable-kv-streams", "--grammar-backend", "none",
              "--skip-tokenizer-init", "--mem-fraction-static", "0.5", "--port", str(port), "--skip-server-warmup",
              "--max-running-requests", "8", "--cuda-graph-bs-decode", "1", "2", "4", "8",
@@ -122,7 +122,7 @@ def server(model_path, tmp_path_factory):
              "--enable-fp32-lm-head",
              # norms, RoPE, activation and projections rounded as HF rounds them (the built-in engine runs HF's model):
              # without it, on the CPU in bf16, max 2.0e-2 / mean 6.6e-3 on this model's shape (bit-equal with it)
-             "--hf-numerics"]
+             "--hf-numerics", *extra]
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "kvstreams_sglang.launch_server", *flags], env=env(), stdout=f,
                                 stderr=subprocess.STDOUT, cwd=ROOT)
@@ -138,7 +138,13 @@ def server(model_path, tmp_path_factory):
             proc.kill()
         out = os.environ.get("OUT")
         if out:  # the device script keeps the server log
-            (Path(out) / "sglang_gpu_server.log").write_text(log.read_text()[-2_000_000:])
+            (Path(out) / f"sglang_gpu_{log.stem}.log").write_text(log.read_text()[-2_000_000:])
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    with kv4rl_server(model_path, tmp_path_factory.mktemp("sglang_gpu") / "server.log") as s:
+        yield s
 
 
 async def sglang_rounds(url: str, model_path: Path) -> dict:
@@ -216,6 +222,30 @@ def test_sglang_gpu_server_kv4rl_graphs_match_builtin_engine(server, model_path)
     # the streams kept every computed token's KV through evictions and the weight update: nothing re-prefilled
     assert res["stats"]["cached_tokens_lost"] == 0 and res["stats"]["turns_across_updates"] == len(PROMPTS)
     assert before["available_tokens"] == after["available_tokens"] and before["kv_bytes"] == after["kv_bytes"]
+    assert all(c > 0 for c in g["per_stream"])
+    assert g["max"] <= MAX_DIFF and g["mean"] <= MEAN_DIFF
+
+
+def test_sglang_gpu_batch_invariant_server_matches_builtin_engine(model_path, tmp_path):
+    """``--kv4rl-batch-invariant``: the server's GEMMs, norm means and attention plans are the invariant engine's, so a
+    stream's logprobs no longer depend on what the scheduler batched it with or on the graph's padding rows: the
+    reference is the built-in engine with ``batch_invariant``, one turn at a time and batched alike. Same thresholds
+    as the default server's test."""
+    with kv4rl_server(model_path, tmp_path / "invariant_server.log", "--kv4rl-batch-invariant") as (url, log_path):
+        res = asyncio.run(sglang_rounds(url, model_path))
+        log = log_path.read_text()
+    decode = graph_lines(log, "Decode")
+    batched = builtin_rounds(model_path, res["turns"], batched=True, invariant=True)
+    alone = builtin_rounds(model_path, res["turns"], invariant=True)
+    g, g_alone, g_self = gap(res["turns"], batched), gap(res["turns"], alone), gap(batched, alone)
+    print(f"batch-invariant server: |diff| max {g['max']:.2e} mean {g['mean']:.2e} ({g['compared']} logprobs); vs "
+          f"the invariant engine one turn at a time {g_alone['max']:.2e} / {g_alone['mean']:.2e}; that engine batched "
+          f"vs alone {g_self['max']:.2e} / {g_self['mean']:.2e}; decode steps on a graph "
+          f"{sum(x for _, x in decode)}/{len(decode)}")
+    assert decode and all(x for _, x in decode), "a decode step ran without a CUDA graph"
+    assert "--kv4rl-batch-invariant: batch-invariant matmuls" in log
+    # the reference itself, batched or alone: only the fp32 LM head's cuBLAS order is left (~1e-6)
+    assert g_self["max"] <= 1e-5
     assert all(c > 0 for c in g["per_stream"])
     assert g["max"] <= MAX_DIFF and g["mean"] <= MEAN_DIFF
 

@@ -77,13 +77,15 @@ class FullPrecisionBackend:
 class KV4Backend:
     """``impl``: ``"triton"`` (the kernels), ``"torch"`` (their references) or ``"auto"``:
     the kernels on CUDA, the references elsewhere. The backend owns the decode kernels'
-    workspace (made at the first kernel decode step, on that step's device)."""
+    workspace (made at the first kernel decode step, on that step's device). ``invariant``: the kernels'
+    batch-invariant plans (a stream's logprobs do not depend on the streams it is batched with; the SGLang server's
+    ``--kv4rl-batch-invariant`` runs the same)."""
 
     def __init__(self, pool: KV4Pool, impl: Literal["auto", "triton", "torch"] = "auto", *, num_q_heads: int,
-                 max_streams: int = 1):
+                 max_streams: int = 1, invariant: bool = False):
         if impl not in ("auto", "triton", "torch"):
             raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-        self.pool, self.impl = pool, impl
+        self.pool, self.impl, self.invariant = pool, impl, invariant
         self.num_q_heads, self.max_streams = num_q_heads, max_streams
         self.decode_workspace: KV4DecodeWorkspace | None = None
 
@@ -96,7 +98,7 @@ class KV4Backend:
             if self.decode_workspace is None:
                 cache = self.pool.layers[0]
                 self.decode_workspace = KV4DecodeWorkspace(self.max_streams, self.num_q_heads, cache.num_kv_heads,
-                                                           cache.head_dim, device=device)
+                                                           cache.head_dim, device=device, invariant=self.invariant)
             fb.decode_plan = self.decode_workspace.plan(**fb.kv4)
         return fb
 
@@ -113,7 +115,8 @@ class KV4Backend:
         return kv4_attention_step(self.pool.layers[layer], q, k, v, mode=fb.mode, qo_indptr=fb.qo_indptr,
                                   out_slots=fb.out_slots, side_slots=fb.side_slots, kv4=fb.kv4, sm_scale=scaling,
                                   use_triton=self._triton(q.device), decode_plan=fb.decode_plan,
-                                  decode_workspace=self.decode_workspace, max_new_tokens=fb.max_new_tokens)
+                                  decode_workspace=self.decode_workspace, max_new_tokens=fb.max_new_tokens,
+                                  invariant=self.invariant)
 
 
 def kvstreams_attention(module, query, key, value, attention_mask, scaling=None, kv_batch=None, kv_backend=None,

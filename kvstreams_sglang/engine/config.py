@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class EngineConfig(BaseModel):
@@ -22,13 +22,9 @@ class EngineConfig(BaseModel):
     max_context: int | None = Field(None, ge=1, description="live tokens one stream may hold (default: "
                                     "min(kv_slots, 65536))")
     max_prefill_tokens: int = Field(16384, ge=1, description="new tokens one extend step computes")
-    batch_invariant: bool = Field(False, description="matmuls, norms and attention through batch-invariant kernels "
-                                  "(bf16 KV only; the trainer needs trainer.impl = 'invariant'): the trainer's bf16 "
-                                  "logprobs then equal the sampler's bit for bit, at some speed cost")
-
-    @model_validator(mode="after")
-    def _invariant_needs_bf16(self) -> EngineConfig:
-        if self.batch_invariant and self.kv_dtype != "bf16":
-            raise ValueError("batch_invariant needs kv_dtype = 'bf16': the trainer cannot replay INT4 rounding bit for "
-                             "bit")
-        return self
+    batch_invariant: bool = Field(False, description="matmuls, norms and attention through batch-invariant kernels: "
+                                  "a stream's logprobs do not depend on the streams batched with it. With bf16 KV "
+                                  "and trainer.impl = 'invariant' the trainer's logprobs then equal the sampler's bit "
+                                  "for bit, at some speed cost; with kv4rl the engine is the reference of SGLang's "
+                                  "--kv4rl-batch-invariant (a run refuses it: the trainer cannot replay INT4 "
+                                  "rounding)")

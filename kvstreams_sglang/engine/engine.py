@@ -147,7 +147,8 @@ class Engine:
         if kv_dtype == "kv4rl":
             pool = KV4Pool(r.num_layers, kv_slots, max_streams, r.num_kv_heads, r.head_dim, sink=sink,
                            recent=recent, device=self.device)
-            self.backend = KV4Backend(pool, num_q_heads=r.num_heads, max_streams=max_streams)
+            self.backend = KV4Backend(pool, num_q_heads=r.num_heads, max_streams=max_streams,
+                                      invariant=batch_invariant)
         else:
             pool = FullPrecisionPool(r.num_layers, kv_slots, r.num_kv_heads, r.head_dim, dtype=r.dtype,
                                      device=self.device)

@@ -16,7 +16,7 @@ import torch
 from ..kv4.cache import KV4LayerCache
 from ..kv4.reference import decode_reference, extend_reference, store_reference
 from .decode import DecodePlan, KV4DecodeWorkspace, kv4_decode
-from .extend import kv4_extend
+from .extend import INVARIANT_TILE, kv4_extend
 from .store import kv4_store
 
 
@@ -25,7 +25,8 @@ def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v
                        side_slots: torch.Tensor, kv4: dict, sm_scale: float, use_triton: bool,
                        decode_plan: DecodePlan | None = None,
                        decode_workspace: KV4DecodeWorkspace | None = None,
-                       max_new_tokens: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                       max_new_tokens: int | None = None, out: torch.Tensor | None = None,
+                       invariant: bool = False) -> torch.Tensor:
     """``q [N, Hq, D]``, ``k/v [N, Hkv, D]`` of the step's new tokens -> ``[N, Hq, D]``.
 
     ``kv4``: the region lists (``kv4.regions.region_lists``); ``decode_plan``: the kernels'
@@ -33,7 +34,9 @@ def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v
     caller's ``decode_workspace`` (a throwaway one if None). ``max_new_tokens``: the step's longest
     run of new tokens, known on the host (extend): without it the kernel's grid needs a device sync,
     once per layer. ``out``: extend writes its result there when it fits (``kv4_extend``'s ``out``), e.g. SGLang's
-    preallocated attention output."""
+    preallocated attention output. ``invariant``: extend unsplit at one tile (``extend.INVARIANT_TILE``), so a
+    request's output depends on its own tokens and lists alone, not on the batch (a decode is as invariant as its
+    plan: ``KV4DecodeWorkspace(invariant=True)``)."""
     if not use_triton:
         if mode == "decode":
             store_reference(cache, k, v, out_slots, side_slots)
@@ -45,6 +48,7 @@ def kv4_attention_step(cache: KV4LayerCache, q: torch.Tensor, k: torch.Tensor, v
         kv4_store(cache, k, v, out_slots, side_slots)
         return kv4_decode(q, cache, decode_plan, workspace=decode_workspace, sm_scale=sm_scale)
     result = kv4_extend(q, k, v, qo_indptr, cache, **kv4, sm_scale=sm_scale, max_new_tokens=max_new_tokens,
-                        out=out if out is not None and out.dtype == q.dtype and out.stride(-1) == 1 else None)
+                        out=out if out is not None and out.dtype == q.dtype and out.stride(-1) == 1 else None,
+                        **(dict(tile=INVARIANT_TILE, splits=1) if invariant else {}))
     kv4_store(cache, k, v, out_slots, side_slots)
     return result

@@ -323,21 +323,33 @@ def cuda_split_count(batch: int, max_len: int, *, even: bool = True) -> int:
     return 1 << (num.bit_length() - 1)
 
 
+# Batch-invariant plans: every request's INT4 list cut into this many parts of its own size, whatever the batch
+# (a row's partial sums, and so its rounding, then depend on its list alone; ``KV4DecodeWorkspace(invariant=True)``)
+INVARIANT_SPLITS = 4
+
+
 def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: torch.Tensor,
                 side_indices: torch.Tensor, *, num_kv_heads: int, max_context: int | None = None,
                 num_splits: int | None = None, cuda_splits: int | None = None, target_programs: int = 2048,
                 min_chunk: int = 256, triton_variant: TritonDecodeVariant = TRITON_DEFAULT,
-                cuda_variant: CudaDecodeVariant | None = CUDA_SHIPPED) -> DecodePlan:
+                cuda_variant: CudaDecodeVariant | None = CUDA_SHIPPED, invariant: bool = False) -> DecodePlan:
     """Build the decode metadata once per step.
 
     Eager (``max_context`` None): split counts from the step's longest INT4 list (one host sync) and every split
     sized by it (``triton_split_count``, ``cuda_split_count``). With ``max_context`` (the longest INT4 list any
     request can have): no host sync, split counts from the batch size and ``max_context`` alone, and per-request
     split sizes computed by the kernels (``Splits.chunk`` 0): a plan a CUDA graph can replay. ``num_splits`` /
-    ``cuda_splits`` override the counts (tests, bench). ``cuda_variant`` None: the Triton kernel only."""
+    ``cuda_splits`` override the counts (tests, bench). ``cuda_variant`` None: the Triton kernel only.
+    ``invariant``: both kernels cut every request into ``INVARIANT_SPLITS`` parts of its own size (no host sync):
+    a row's output no longer depends on the batch it runs in (its split count and sizes would otherwise follow the
+    batch size and the longest list), at the cost of the split rules' balance."""
     batch = kv_indptr.numel() - 1
-    per_request = max_context is not None
-    if per_request:  # the graph rule: the even-length rule at the longest length a request can have
+    if invariant:
+        num_splits = cuda_splits = INVARIANT_SPLITS
+    per_request = max_context is not None or invariant
+    if invariant:
+        max_len, even = 0, True  # (unused: both counts are fixed)
+    elif per_request:  # the graph rule: the even-length rule at the longest length a request can have
         max_len, even = max_context, True
     else:
         lengths = kv_indptr[1:] - kv_indptr[:-1]
@@ -391,6 +403,7 @@ class KV4DecodeWorkspace:
     capture then records launches whose grids and scalar arguments do not change between replays, reading
     everything that changes (the lists, each request's split size) from device memory. Call ``plan(graph=True)``
     eagerly before every replay, and run once eagerly before capturing (the first run compiles the kernels).
+    ``invariant``: every plan batch-invariant (``plan_decode``), eager or graph.
     Static buffers (and graph-plan partial buffers) are allocated once here and never moved; eager partial buffers
     grow as needed. One step at a time per workspace (the launches of the layers share the partial buffers, in
     stream order)."""
@@ -398,12 +411,13 @@ class KV4DecodeWorkspace:
     def __init__(self, max_bs: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                  max_context: int | None = None, device="cuda", *, max_side: int | None = None,
                  triton_variant: TritonDecodeVariant = TRITON_DEFAULT,
-                 cuda_variant: CudaDecodeVariant | None = CUDA_SHIPPED):
+                 cuda_variant: CudaDecodeVariant | None = CUDA_SHIPPED, invariant: bool = False):
         if num_q_heads % num_kv_heads:
             raise ValueError(f"KV4DecodeWorkspace: Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
         self.max_bs, self.num_q_heads, self.num_kv_heads, self.head_dim = max_bs, num_q_heads, num_kv_heads, head_dim
         self.max_context, self.device = max_context, torch.device(device)
         self.triton_variant, self.cuda_variant = triton_variant, cuda_variant  # what its plans run
+        self.invariant = invariant  # batch-invariant plans (``plan_decode``'s ``invariant``)
         self.hadamard = hadamard_matrix(head_dim, device=self.device)  # fp32, the Triton kernel's rotation block
         self.current_plan: DecodePlan | None = None
         self.last_kernel = ""  # "cuda" or "triton": which kernel the last call ran (bench, tests)
@@ -417,6 +431,8 @@ class KV4DecodeWorkspace:
                             torch.zeros(max_bs + 1, **i32), torch.zeros(max(1, max_bs * side), **i32))
             rows_parts = max(b * max(triton_split_count(b, max_context, num_kv_heads, block_n=triton_variant.block_n)
                                      + 1, cuda_split_count(b, max_context)) for b in range(1, max_bs + 1))
+            if invariant:
+                rows_parts = max_bs * (INVARIANT_SPLITS + 1)
             self._graph = DecodeBuffers.empty(rows_parts, max_bs, num_q_heads, num_kv_heads, head_dim, self.device)
         self._cuda_fns: dict[tuple, CudaDecodeKernel | None] = {}
         self._launchers: dict[tuple, Launcher | None] = {}  # (cache pointers, Hkv, q dtype, scale, rotate, variant)
@@ -436,7 +452,7 @@ class KV4DecodeWorkspace:
         if not graph:
             plan = plan_decode(kv_indptr, kv_indices, side_indptr, side_indices, num_kv_heads=self.num_kv_heads,
                                num_splits=num_splits, cuda_splits=cuda_splits, triton_variant=self.triton_variant,
-                               cuda_variant=self.cuda_variant)
+                               cuda_variant=self.cuda_variant, invariant=self.invariant)
         else:
             plan = self._graph_plan(kv_indptr, kv_indices, side_indptr, side_indices, batch_size, num_splits,
                                     cuda_splits)
@@ -462,7 +478,8 @@ class KV4DecodeWorkspace:
         s_side_indices[: side_indices.numel()].copy_(side_indices)
         plan = plan_decode(s_indptr[: bs + 1], s_indices, s_side_indptr[: bs + 1], s_side_indices,
                            num_kv_heads=self.num_kv_heads, max_context=self.max_context, num_splits=num_splits,
-                           cuda_splits=cuda_splits, triton_variant=self.triton_variant, cuda_variant=self.cuda_variant)
+                           cuda_splits=cuda_splits, triton_variant=self.triton_variant, cuda_variant=self.cuda_variant,
+                           invariant=self.invariant)
         return dataclasses.replace(plan, graph=True)
 
     # ---- run: once per layer ----

@@ -185,6 +185,9 @@ class ExtendTile(NamedTuple):
 # 16 x 3072 + 192 new, 0.96 ms vs 1.50), a split-K grid with 64-key tiles and 8 warps (1 x 8192 + 64: 0.15 vs 0.29).
 GRID_TILE = ExtendTile(128, 32, 4, True)
 SPLIT_TILE = ExtendTile(128, 64, 8, True)
+# batch-invariant extends (``attend.kv4_attention_step(invariant=True)``): one tile and no split-K whatever the grid,
+# so that a request's sums run in the same order in any batch (the tile and the split otherwise follow the grid size)
+INVARIANT_TILE = GRID_TILE
 # KVSTREAMS_EXTEND_TILE="block_r,block_n,num_warps,words|bytes" replaces both process-wide (benchmarks: a tile
 # from `bench.decode_attention --extend-sweep` tried in a rollout without a code change)
 TILE_OVERRIDE = ExtendTile.parse(os.environ["KVSTREAMS_EXTEND_TILE"]) \

@@ -71,9 +71,10 @@ class GraphBuffers:
     qo_indptr: torch.Tensor  # [max_bs + 1] int32: 0, 1, ..., max_bs (one new token per request)
 
     @classmethod
-    def empty(cls, max_bs: int, num_q_heads: int, pool: KV4TokenToKVPool, max_context: int, device) -> GraphBuffers:
+    def empty(cls, max_bs: int, num_q_heads: int, pool: KV4TokenToKVPool, max_context: int, device,
+              invariant: bool = False) -> GraphBuffers:
         workspace = KV4DecodeWorkspace(max_bs, num_q_heads, pool.head_num, pool.head_dim, max_context, device,
-                                       max_side=pool.sink + pool.recent)
+                                       max_side=pool.sink + pool.recent, invariant=invariant)
         return cls(workspace, torch.zeros(max_bs, dtype=torch.int64, device=device),
                    torch.full((max_bs,), -1, dtype=torch.int64, device=device),
                    torch.arange(max_bs + 1, dtype=torch.int32, device=device))
@@ -149,12 +150,14 @@ class KV4RLAttnBackend(AttentionBackend):
                                f"{self.req_to_token.shape[0]} (SGLang's reserved row 0 included)")
         self.device = torch.device(model_runner.device)
         self.use_triton = self.device.type == "cuda"
+        # --kv4rl-batch-invariant: plans that do not depend on the batch (``kernels.decode.plan_decode``)
+        self.invariant = bool(getattr(getattr(model_runner, "server_args", None), "kv4rl_batch_invariant", False))
         self.num_q_heads = model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size
         self.forward_metadata: KV4StepMetadata | None = None
         self.decode_workspace = None  # the eager decode kernels' partial outputs, tickets, launch arguments
         if self.use_triton:
             self.decode_workspace = KV4DecodeWorkspace(self.req_to_token.shape[0], self.num_q_heads, pool.head_num,
-                                                       pool.head_dim, device=self.device)
+                                                       pool.head_dim, device=self.device, invariant=self.invariant)
         self.graph: GraphBuffers | None = None  # CUDA graphs: set by init_cuda_graph_state
         self.prefill_graph: PrefillGraphBuffers | None = None  # "full" prefill graphs: set at their first capture
         prefill = getattr(getattr(getattr(model_runner, "server_args", None), "cuda_graph_config", None), "prefill",
@@ -255,7 +258,8 @@ class KV4RLAttnBackend(AttentionBackend):
                                       "requests: speculative decoding is not supported)")
         # a request's INT4 list holds at most its row's slots: the row width, and no more than the pool has
         max_context = min(self.req_to_token.shape[1], self.pool.size)
-        self.graph = GraphBuffers.empty(max_bs, self.num_q_heads, self.pool, max_context, self.device)
+        self.graph = GraphBuffers.empty(max_bs, self.num_q_heads, self.pool, max_context, self.device,
+                                        invariant=self.invariant)
 
     def get_cuda_graph_seq_len_fill_value(self):
         return GRAPH_SEQ_LEN_FILL
@@ -344,7 +348,8 @@ class KV4RLAttnBackend(AttentionBackend):
                                  decode_plan=plan, decode_workspace=workspace,
                                  # a graph's grid covers a request holding every token of the bucket
                                  max_new_tokens=n if md.graph else md.max_new_tokens,
-                                 out=None if into is None else into.view(n, layer.tp_q_head_num, layer.v_head_dim))
+                                 out=None if into is None else into.view(n, layer.tp_q_head_num, layer.v_head_dim),
+                                 invariant=self.invariant)
         return out.reshape(n, layer.tp_q_head_num * layer.v_head_dim).to(q.dtype)
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -83,12 +83,14 @@ def rope_table(rotary_cls, hf_config, rows: int, device, dtype) -> tuple[torch.T
     return cos[0].contiguous(), sin[0].contiguous()
 
 
-def _norm_forward(module, hf_forward):
-    """HF's norm; on CUDA the one-kernel form of it (``kernels.hf_rms_norm``: HF's code is ~8 launches a norm)."""
+def _norm_forward(module, hf_forward, fused: bool = True):
+    """HF's norm; on CUDA the one-kernel form of it (``kernels.hf_rms_norm``: HF's code is ~8 launches a norm).
+    ``fused=False``: HF's code everywhere (``--kv4rl-batch-invariant``: its mean then runs the batch-invariant row
+    mean, as in the built-in engine's ``batch_invariant``; the fused kernel sums in another order)."""
     def forward(x, residual=None, post_residual_addition=None):
         if residual is not None and post_residual_addition is not None:
             residual = residual + post_residual_addition
-        if x.is_cuda and hf_rms_norm.supported(x, module.weight):
+        if fused and x.is_cuda and hf_rms_norm.supported(x, module.weight):
             return hf_rms_norm.hf_rms_norm(x, module.weight, module.variance_epsilon, residual)
         if residual is None:
             return hf_forward(module, x)
@@ -141,9 +143,9 @@ def _qk_prepare(attn):
     return forward_prepare_native
 
 
-def apply(model, hf_config, parts: tuple[str, ...] = PARTS) -> dict[str, int]:
+def apply(model, hf_config, parts: tuple[str, ...] = PARTS, *, fused_norms: bool = True) -> dict[str, int]:
     """Switch ``model``'s modules (an SGLang model, after loading) to HF numerics, those of ``parts``; returns how
-    many of each kind."""
+    many of each kind. ``fused_norms``: the norms' one-kernel form on CUDA (``_norm_forward``)."""
     from sglang.srt.layers.activation import SiluAndMul
     from sglang.srt.layers.layernorm import RMSNorm
     from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
@@ -158,7 +160,7 @@ def apply(model, hf_config, parts: tuple[str, ...] = PARTS) -> dict[str, int]:
     for name, m in model.named_modules():
         kind = type(m)
         if kind is RMSNorm and "norms" in parts:
-            m._forward_method = _norm_forward(m, norm_cls.forward)
+            m._forward_method = _norm_forward(m, norm_cls.forward, fused_norms)
             counts["norms"] += 1
         elif kind is RotaryEmbedding and "rope" in parts:
             if id(m) not in tables:

@@ -53,6 +53,30 @@ def install(server_args) -> None:
     if getattr(server_args, "hf_numerics", False) and "hf_numerics" not in _installed:
         _install_hf_numerics()
         _installed.add("hf_numerics")
+    if getattr(server_args, "kv4rl_batch_invariant", False) and "batch_invariant" not in _installed:
+        _install_batch_invariant()
+        _installed.add("batch_invariant")
+
+
+def _install_batch_invariant() -> None:
+    """``--kv4rl-batch-invariant``: from the model's load on, the model runner's process sends its bf16 ``mm`` /
+    ``addmm`` and fp32 row means through ``kernels.batch_invariant`` (registered for the runner's device, for the
+    process's life: CUDA graphs captured after the load record those kernels). The attention backend reads the flag
+    for its own plans."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from ..kernels.batch_invariant import batch_invariant
+
+    original = ModelRunner.load_model
+
+    def load_model(self, *args, **kwargs):
+        if not getattr(self, "_kvstreams_invariant", None):
+            self._kvstreams_invariant = batch_invariant(device_type=torch.device(self.device).type.upper())
+            self._kvstreams_invariant.__enter__()  # held as long as the runner: never released
+            logging.getLogger(__name__).info("--kv4rl-batch-invariant: batch-invariant matmuls and row means")
+        return original(self, *args, **kwargs)
+
+    ModelRunner.load_model = load_model
 
 
 def _install_hf_numerics() -> None:
@@ -67,7 +91,8 @@ def _install_hf_numerics() -> None:
     def load_model(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
         counts = hf_numerics.apply(self.model, self.model_config.hf_config,
-                                   hf_numerics.parse_parts(self.server_args.hf_numerics_parts))
+                                   hf_numerics.parse_parts(self.server_args.hf_numerics_parts),
+                                   fused_norms=not getattr(self.server_args, "kv4rl_batch_invariant", False))
         logging.getLogger(__name__).info("--hf-numerics: %s", counts)
         return out
 

@@ -52,6 +52,7 @@ class KVStreamsServerArgs(ServerArgs):
     kv_streams_turn_batch_max_delay_ms: float = 30.0
     hf_numerics: bool = False
     hf_numerics_parts: str = "all"
+    kv4rl_batch_invariant: bool = False
 
     def __post_init__(self):
         self._check_kvstreams()
@@ -77,6 +78,9 @@ class KVStreamsServerArgs(ServerArgs):
         if self.kv_streams_turn_batch_ratio and not self.enable_kv_streams:
             raise ServerArgsError("--kv-streams-turn-batch-ratio needs --enable-kv-streams (without it SGLang's own "
                                   "--enable-prefill-delayer --prefill-delayer-queue-min-ratio does the same)")
+        if self.kv4rl_batch_invariant and not self.kv4rl:
+            raise ServerArgsError("--kv4rl-batch-invariant needs --kv4rl (its decode and extend plans; bf16 KV: "
+                                  "SGLang's --enable-deterministic-inference)")
         if self.hf_numerics_parts != "all" and not self.hf_numerics:
             raise ServerArgsError("--hf-numerics-parts needs --hf-numerics")
         if self.hf_numerics:
@@ -192,6 +196,13 @@ class KVStreamsServerArgs(ServerArgs):
                                 "transformers rounds them in the model dtype (the built-in engine's and the trainer's "
                                 "numerics) instead of SGLang's fused kernels: logprobs closer to the trainer's, "
                                 "slower steps")
+        group.add_argument("--kv4rl-batch-invariant", action="store_true",
+                           help="with --kv4rl: a request's numerics do not depend on the requests batched with it: "
+                                "bf16 GEMMs and the norms' row means through one fixed-tile Triton kernel "
+                                "(kvstreams_sglang.kernels.batch_invariant), the decode kernels with a fixed split "
+                                "count sized per request, extends unsplit at one tile. With --hf-numerics the "
+                                "logprobs of a stream then follow the built-in engine's batch_invariant reference "
+                                "whatever the scheduler batched; slower steps")
         group.add_argument("--hf-numerics-parts", default="all",
                            help=f"with --hf-numerics: which parts to align, 'all' or a comma list of "
                                 f"{', '.join(PARTS)} (to tell which part carries a logprob gap, and its cost)")
