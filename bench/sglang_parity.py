@@ -61,8 +61,8 @@ UPDATE_BEFORE_ROUND = 2
 # a short scenario for CPU tests whose kernels run under Triton's interpreter (each launch costs milliseconds): two
 # streams, an eviction and an observation between two rounds of a few tokens
 SMALL_PROMPTS = [tokens(40, 7, 3), tokens(30, 11, 5)]
-SMALL_ROUNDS = [[Turn(0, new=4), Turn(1, new=3)],
-                [Turn(0, tokens(8, 3, 2), new=4, spans=((20, 30),)), Turn(1, tokens(6, 5, 9), new=3)]]
+SMALL_ROUNDS = [[Turn(0, new=3), Turn(1, new=2)],
+                [Turn(0, tokens(8, 3, 2), new=2, spans=((20, 30),)), Turn(1, tokens(6, 5, 9), new=2)]]
 SCENARIOS = {"full": (PROMPTS, ROUNDS), "small": (SMALL_PROMPTS, SMALL_ROUNDS)}
 # the streams' first tokens go through the tree's shared (untagged) path, as a GRPO prompt would; the evictions
 # above start after them (the server refuses to evict a prefix other streams may share)
