@@ -23,8 +23,9 @@ message bounded to its recorded length) against one server per configuration, st
    cache (the kv4rl sink / recent copies, per row) does not hold the prefix's.
 
 All: ``--grammar-backend none --skip-tokenizer-init`` (random weights, byte tokenizer), the same
-``--mem-fraction-static`` and ``--max-running-requests`` (``--ours-max-running-requests``: the kv4rl servers' own,
-whose rows each hold an INT8 side row out of the KV memory), CUDA graphs on where the server supports them (the
+``--mem-fraction-static`` (from ``--static-gib``: the same GiB on any card) and ``--max-running-requests``
+(``--ours-max-running-requests``: the kv4rl servers' own, whose rows each hold an INT8 side row out of the KV
+memory), CUDA graphs on where the server supports them (the
 decode log says whether steps ran one), ``--enable-metrics`` with the device timer (GPU time per forward mode).
 The same episodes, seeds and strategies (Sliding Window, Markovian Thinker, Summary: a random model writes a
 random summary of ``--summary-tokens``) on every server.
