@@ -728,8 +728,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.mem_fraction is not None:
         a.static_gib = None  # the fraction given stands
-    elif a.study == "rollouts" and a.device == "cuda" and gpu_total_bytes():  # (no GPU: only tests build flags)
-        a.mem_fraction = mem_fraction_for(a.static_gib, gpu_total_bytes())
+    elif a.study == "rollouts" and a.device == "cuda" and (total := gpu_total_bytes()):  # no GPU: tests build flags
+        a.mem_fraction = mem_fraction_for(a.static_gib, total)
     if a.quick:
         a.configs = a.configs or "stock_bf16,streams_kv4rl"
         a.strategies = "sliding_window"
