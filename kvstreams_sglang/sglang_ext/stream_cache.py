@@ -58,7 +58,6 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from trainer_masks import EvictionError, check_spans
 
 from . import STREAM_EVICTED
-from .host_copy import host_to_device
 from .sessions import replace_session_tokens, session_tokens
 
 BACKEND_NAME = "kvstreams"  # --radix-cache-backend
@@ -291,15 +290,16 @@ class KVStreamRadixCache(RadixCache):
                 raise EvictionError(
                     f"session {session.session_id!r}: span [{start}, {stop}) reaches into the shared prefix [0, {p}), "
                     "whose KV other streams share (open the stream with a smaller shared_prefix_len to evict it)")
-        dropped = set(eviction.dropped)
+        runs = index_runs(eviction.dropped)
+        n = sum(hi - lo for lo, hi in runs)
         chain = self._prune(state, tokens)
-        kept = array("q", (t for i, t in enumerate(tokens) if i not in dropped))
+        kept = without_runs(tokens, runs)
         if chain is not None:
-            self._compact(state, chain, kept[: state.computed - len(dropped)], sorted(dropped))
+            self._compact(state, chain, kept[: state.computed - n], runs)
         replace_session_tokens(session, kept)
-        state.live = [pos for i, pos in enumerate(state.live) if i not in dropped]
-        state.offset += len(dropped)
-        return len(dropped)
+        state.live = without_runs(state.live, runs)
+        state.offset += n
+        return n
 
     def info(self, session) -> dict:
         """A stream as the server holds it: ``live_tokens`` (computed tokens), their ``slots`` and logical
@@ -498,28 +498,29 @@ class KVStreamRadixCache(RadixCache):
                     self._delete_subtree(child)
         return chain
 
-    def _compact(self, state: StreamState, chain: list[TreeNode], kept, dropped: list[int]) -> None:
+    def _compact(self, state: StreamState, chain: list[TreeNode], kept, runs: list[tuple[int, int]]) -> None:
         """Rewrite the branch ``chain`` (compacted tokens [p, computed)) as one node holding ``kept[p:]``: the
-        slots of the ``dropped`` compacted indices are freed, every other slot stays where it is."""
+        slots of the compacted index ``runs`` are freed, every other slot stays where it is. Slices only: no
+        per-token host work and no host sync (the slots stay on the device)."""
         if not chain:
             return
         p = state.shared_prefix_len
         first, parent = chain[0], chain[0].parent
         values = torch.cat([node.value for node in chain])
-        drop = [i - p for i in dropped]  # indices into values, laid out on the host: no host sync below
-        gone = set(drop)
-        keep = [i for i in range(len(values)) if i not in gone]
+        runs = [(lo - p, hi - p) for lo, hi in runs]  # into values
         for node in chain:
             self._record_remove_event(node)
             self.evictable_leaves.discard(node)
-        self.token_to_kv_pool_allocator.free(values[host_to_device(drop, torch.int64, values.device)])
-        self.evictable_size_ -= len(dropped)
+        if runs:
+            self.token_to_kv_pool_allocator.free(torch.cat([values[lo:hi] for lo, hi in runs]))
+        self.evictable_size_ -= sum(hi - lo for lo, hi in runs)
+        keep = [values[a:b] for a, b in kept_runs(runs, len(values))]
         if not keep:
             del parent.children[self._branch_key(state)]
             self._update_leaf_status(parent)
             return
         first.key = state.key(kept)[p:]
-        first.value = values[host_to_device(keep, torch.int64, values.device)]
+        first.value = torch.cat(keep)
         first.children = {}
         first.hash_value = None
         self._update_leaf_status(first)
@@ -558,6 +559,38 @@ def committed_len(req) -> int:
 def _keep_every_token(req, tokenizer) -> None:
     """A KV stream keeps every token it is sent: SGLang drops a leading BOS of an appended turn
     (``Session._strip_bos_token``), which would desynchronise the stream from its ledger."""
+
+
+def index_runs(indices) -> list[tuple[int, int]]:
+    """Ascending distinct indices as ``[lo, hi)`` runs of consecutive ones (an eviction drops whole spans: a
+    run each)."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def kept_runs(runs: list[tuple[int, int]], n: int) -> list[tuple[int, int]]:
+    """The non-empty ``[lo, hi)`` runs of ``range(n)`` between the dropped ``runs``."""
+    out, prev = [], 0
+    for lo, hi in runs:
+        if lo > prev:
+            out.append((prev, lo))
+        prev = hi
+    if n > prev:
+        out.append((prev, n))
+    return out
+
+
+def without_runs(seq, runs: list[tuple[int, int]]):
+    """``seq`` (a list or an array) without the index ``runs``, by slices."""
+    out = seq[:0]
+    for lo, hi in kept_runs(runs, len(seq)):
+        out += seq[lo:hi]
+    return out
 
 
 def _any_locked(node: TreeNode) -> bool:

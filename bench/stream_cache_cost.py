@@ -1,0 +1,116 @@
+"""Host cost of a KV stream's in-place eviction in SGLang's scheduler (``KVStreamRadixCache.evict_spans``).
+
+Why: the scheduler runs a turn's eviction in the step that admits the turn, on the CPU, while the GPU runs
+the previous batch; past a step's length its cost idles the GPU. A py-spy profile of the long-games rollout
+on an H100 put ``evict_spans`` at ~9% of the scheduler's time (~1 ms a call). This times it on the real
+SGLang classes (``RadixCache``, ``TokenToKVPoolAllocator``, ``ReqToTokenPool`` on the CPU) for a stream
+shaped like the long games under Sliding Window: a shared prompt, then ``--live`` private tokens, each turn
+evicting the oldest ``--turn`` tokens after the prompt and appending a computed turn of that length.
+
+    python -m bench.stream_cache_cost --out bench/results/stream_cache_cost_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+import types
+from array import array
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cache(size: int):
+    from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from kvstreams_sglang.sglang_ext.stream_cache import KVStreamRadixCache
+
+    class _Pool:  # what the allocator asks of its KV pool
+        device = "cpu"
+
+    alloc = TokenToKVPoolAllocator(size, torch.bfloat16, "cpu", _Pool(), need_sort=False)
+    params = CacheInitParams(disable=False, req_to_token_pool=ReqToTokenPool(8, 65536, "cpu", False),
+                             token_to_kv_pool_allocator=alloc, page_size=1)
+    return KVStreamRadixCache(params), alloc
+
+
+def _session(tokens: list[int]):
+    """A streaming session as ``sessions`` reads it: one finished request holding the stream's tokens."""
+    req = types.SimpleNamespace(output_ids=array("q"), sampling_params=types.SimpleNamespace(max_new_tokens=0))
+    session = types.SimpleNamespace(session_id="s", _inflight=False, streaming=True,
+                                    req_nodes={0: types.SimpleNamespace(req=req)})
+    _set_tokens(session, tokens)
+    return session
+
+
+def _set_tokens(session, tokens) -> None:
+    req = session.req_nodes[0].req
+    req.origin_input_ids = req.origin_input_ids_unpadded = req.full_untruncated_fill_ids = array("q", tokens)
+    session.committed_origin_len = len(tokens)
+
+
+def evict_cost(live: int, prompt: int = 76, turn: int = 200, turns: int = 60) -> dict:
+    """Median and p90 ms of ``evict_spans`` over ``turns`` turns of a stream holding ``live`` tokens."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+    size = 2 * live + turn * turns
+    cache, alloc = _cache(size)
+    state = cache.open_stream("s", prompt, None)
+    state.prompt = array("q", range(1000, 1000 + prompt))
+    tokens = list(range(1000, 1000 + live))
+    cache.insert(InsertParams(key=state.key(tokens), value=alloc.alloc(live)))
+    cache._split_at_prefix(state, state.key(tokens))
+    state.live = list(range(live))
+    session = _session(tokens)
+    times = []
+    for t in range(turns):
+        start = state.live[prompt]
+        t0 = time.perf_counter()
+        cache.evict_spans(session, [[start, start + turn]])
+        times.append(time.perf_counter() - t0)
+        cur = list(session.req_nodes[0].req.origin_input_ids)
+        toks = cur + list(range(50_000 + t * turn, 50_000 + (t + 1) * turn))  # the next turn, computed
+        slots = torch.cat([cache._slots(state, cur), alloc.alloc(turn)])
+        cache.insert(InsertParams(key=state.key(toks), value=slots))
+        state.live.extend(range(state.computed + state.offset, len(toks) + state.offset))
+        _set_tokens(session, toks)
+    # the stream is whole, and each eviction freed exactly its tokens' slots
+    assert state.computed == live and len(cache._slots(state, toks)) == live
+    assert cache.evictable_size() == live and alloc.available_size() == size - live, (
+        cache.evictable_size(), alloc.available_size(), size, live)
+    times.sort()
+    return dict(live_tokens=live, evicted_per_call=turn, calls=turns, median_ms=statistics.median(times) * 1e3,
+                p90_ms=times[int(0.9 * (len(times) - 1))] * 1e3)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--live", default="1000,3500,10000", help="live private tokens per stream, comma-separated")
+    ap.add_argument("--turn", type=int, default=200, help="tokens evicted (and appended) per turn")
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    rows = [evict_cost(int(n), turn=args.turn) for n in args.live.split(",")]
+    for r in rows:
+        print(f"live {r['live_tokens']:>6}: evict_spans median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+    result = dict(command="python -m bench.stream_cache_cost " + " ".join(argv or os.sys.argv[1:]),
+                  commit=commit.strip(), machine=f"{platform.processor() or platform.machine()}, "
+                  f"{os.cpu_count()} cores", torch=torch.__version__, rows=rows)
+    if args.out:
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1))
+        tmp.replace(args.out)
+
+
+if __name__ == "__main__":
+    main()
