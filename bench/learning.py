@@ -252,7 +252,11 @@ class LearningBench:
         if self.cfg.serving.engine == "sglang":
             server = rollout_server(rcfg, self.cfg.serving, out.parent / f"{name}.server.log")  # beside the run
             self.console.print(f"starting {' '.join(server.command()[1:4])} ... (log {server.log_path})")
-            await asyncio.to_thread(server.start, self.cfg.serving.start_timeout_s)
+            try:
+                await asyncio.to_thread(server.start, self.cfg.serving.start_timeout_s)
+            except BaseException:  # cancelled (SIGTERM: main's unwind_on_sigterm) while the thread waits for it
+                server.stop()
+                raise
             start_s = round(time.perf_counter() - t0, 1)
             self.console.print(f"server up in {start_s} s at {server.url}")
             rcfg = run_config(self.cfg, name, str(self.sft_model), out, url=server.url)
@@ -508,6 +512,9 @@ def summary_table(report: dict):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, overrides = parse_args(argv)
+    from .sglang_servers import unwind_on_sigterm
+
+    unwind_on_sigterm()  # a run's SGLang server (own process group) must not outlive a timed-out bench
     try:
         cfg = load_config(args.config, overrides, schema=LearningConfig)
         check_machine(cfg)

@@ -65,7 +65,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import sys
 import time
@@ -99,6 +98,7 @@ from .sglang_servers import (
     decode_lines,
     metric_total,
     prefill_lines,
+    unwind_on_sigterm,
 )
 from .trace_summary import summarize_dir
 
@@ -814,8 +814,7 @@ def main(argv: list[str] | None = None) -> dict:
         m = p.parse_args(args[1:])
         return merge(m.parts, m.out)
     a = parse_args(argv)
-    # servers run in their own sessions: a SIGTERM (timeout) must unwind the ``with server`` blocks that stop them
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    unwind_on_sigterm()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,16 @@ import sys
 import time
 from pathlib import Path
 
-from .sglang_servers import OURS, STOCK, Server, ServerConfig, decode_lines, post_many, prefill_throughputs
+from .sglang_servers import (
+    OURS,
+    STOCK,
+    Server,
+    ServerConfig,
+    decode_lines,
+    post_many,
+    prefill_throughputs,
+    unwind_on_sigterm,
+)
 
 CONFIGS = {
     "stock_bf16": ServerConfig("stock_bf16", STOCK, ("--attention-backend", "flashinfer")),
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--logprob-prompts", type=int, default=16)
     ap.add_argument("--port", type=int, default=31000)
     a = ap.parse_args(argv)
+    unwind_on_sigterm()
 
     from kvstreams_sglang.checkpoints import QWEN3_4B
 

@@ -364,6 +364,41 @@ def test_a_server_whose_port_was_taken_starts_on_another(cpu_servers):
     assert stock.port != a.taken_port and stock.healthy()
 
 
+def test_a_bench_stopped_during_a_server_start_stops_the_server(tmp_path):
+    """A SIGTERM (``timeout`` around a bench) while a server starts: the bench exits 143 and the server's process
+    group goes with it. A device call once found 62% of an H100 held by the server a timed-out serving bench had
+    been starting (servers run in their own process group; the ``with server`` block was never entered)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pid_file, log = tmp_path / "server.pid", tmp_path / "server.log"
+    script = (f"import sys; sys.path.insert(0, {str(TESTS.parent)!r})\n"
+              "from pathlib import Path\n"
+              "from bench.sglang_servers import Server, ServerConfig, unwind_on_sigterm\n"
+              "unwind_on_sigterm()\n"
+              f"env = {{'PYTHONPATH': {str(TESTS)!r}, 'NEVER_SERVES_PID': {str(pid_file)!r}}}\n"
+              f"Server(ServerConfig('never', 'never_serves'), 'model', 1, Path({str(log)!r}), env=env).start(120)\n")
+    bench = subprocess.Popen([sys.executable, "-c", script])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists():
+        assert bench.poll() is None and time.monotonic() < deadline, "the stand-in server did not start"
+        time.sleep(0.1)
+    server_pid = int(pid_file.read_text())
+    bench.send_signal(signal.SIGTERM)
+    assert bench.wait(90) == 143
+    try:
+        os.kill(server_pid, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    if alive:
+        os.killpg(server_pid, signal.SIGKILL)
+    assert not alive, "the server outlived the bench"
+
+
 def test_merge_puts_the_calls_side_by_side_and_refuses_other_settings(tmp_path):
     """Parts of one bench run in several device calls merge into one result: runs and servers side by side, the
     targets evaluated again over all of them; a part run on another episode list is refused."""
