@@ -71,6 +71,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvstreams_sglang.sglang_ext.host_clock import clock_difference
+
 from .replay import (
     DATA,
     SYSTEM_PROMPT,
@@ -258,6 +260,7 @@ class Snapshot:
     metrics: list
     client_stats: dict
     cpu_s: float
+    host_clock: dict | None = None  # ours: the scheduler's host time per hook so far (``sglang_ext.host_clock``)
 
 
 def snapshot(server: Server, client) -> Snapshot:
@@ -265,7 +268,27 @@ def snapshot(server: Server, client) -> Snapshot:
         metrics = server.metrics()
     except OSError:
         metrics = []
-    return Snapshot(time.perf_counter(), len(server.log_text()), metrics, dict(client.stats), time.process_time())
+    host_clock = None
+    if server.config.module == OURS:
+        try:
+            host_clock = server.post_sync("/kvstreams/pool_info", {}, timeout=60).get("host_clock")
+        except OSError:
+            pass
+    return Snapshot(time.perf_counter(), len(server.log_text()), metrics, dict(client.stats), time.process_time(),
+                    host_clock)
+
+
+def scheduler_host(s: Snapshot, e: Snapshot, window_s: float, turns: int, steps: int) -> dict | None:
+    """Ours: the scheduler's host time in our hooks over the window (``host_clock``), per hook: calls, ms per call,
+    ms per turn and per step, share of the window. ``handle_generate_request`` includes SGLang's request creation
+    and the turn's ``evict_spans`` and ``begin_turn``."""
+    diff = clock_difference(s.host_clock, e.host_clock)
+    if not diff:
+        return None
+    return {name: dict(d, ms_per_turn=d["ms"] / turns if turns else None,
+                       ms_per_step=d["ms"] / steps if steps else None,
+                       share_of_window=d["ms"] / 1000.0 / window_s if window_s else None)
+            for name, d in sorted(diff.items(), key=lambda kv: -kv[1]["ms"])}
 
 
 def make_client(setup: Setup, url: str):
@@ -480,6 +503,8 @@ def summarize(run: dict, setup: Setup, strategy: str, server: Server, bytes_: di
                          mean_running_requests=prof["decode"]["mean_batch"],
                          waiting_share={str(k): v for k, v in wait_share.items()}, limited_by=limited_by),
         step_profile=prof,
+        scheduler_host=scheduler_host(s, e, window, client.get("turns", 0),
+                                      prof["prefill"]["steps"] + prof["decode"]["steps"]),
         client=dict(stats=client, cpu_share=(e.cpu_s - s.cpu_s) / window if window else None,
                     loop_lag_ms_mean=1000 * statistics.fmean(run["lag"]) if run["lag"] else None,
                     loop_lag_ms_max=1000 * max(run["lag"], default=0.0)),
@@ -916,6 +941,10 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
                       f"{row['concurrency']['mean_admitted']:.1f} admitted ({row['concurrency']['limited_by']}), "
                       f"re-prefilled {row['reprefilled_tokens']}, decode {dec['ms_per_step'] or dec['ms_per_step_log']}"
                       f" ms/step, failed {row['episodes_failed']}", flush=True)
+                if row["scheduler_host"]:
+                    print("    scheduler host ms/turn: " + ", ".join(
+                        f"{k} {v['ms_per_turn']:.3f}" for k, v in row["scheduler_host"].items() if v["ms_per_turn"]),
+                        flush=True)
                 if setup.client == "stock":
                     try:
                         server.flush_cache()  # the next strategy starts from an empty radix cache

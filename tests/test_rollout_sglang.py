@@ -341,6 +341,15 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
         assert any(f.startswith("scheduler.py:") for f in spy["scheduler"]["function_share"]), spy
     stock, ours = runs["stock_bf16"], runs["streams_bf16"]
     assert ours["reprefilled_tokens"] == 0 and ours["client"]["stats"]["cached_tokens_lost"] == 0
+    # ours: the scheduler's host time in our hooks over the window (/kvstreams/pool_info's host_clock)
+    host, turns = ours["scheduler_host"], ours["client"]["stats"]["turns"]
+    assert stock["scheduler_host"] is None and turns > 0
+    # each turn arrives through the request hook, is matched and finishes once (the window's edges cut a few)
+    for hook in ("handle_generate_request", "match_prefix", "cache_finished_req"):
+        assert host[hook]["calls"] >= turns // 2, (hook, host[hook], turns)
+    assert host["evict_spans"]["calls"] > 0  # Sliding Window compacted in place
+    assert all(v["ms"] > 0 and v["ms_per_call"] == pytest.approx(v["ms"] / v["calls"]) for v in host.values())
+    assert 0 < sum(v["share_of_window"] for k, v in host.items() if k != "handle_generate_request") < 1
     # stock: every turn's whole context goes to the server, the radix cache returns most of it
     assert stock["client"]["stats"]["cached_tokens"] > stock["client"]["stats"]["computed_tokens"]
     # both find each turn's earlier context in the radix tree (ours: a stream's kept tokens are its branch there)

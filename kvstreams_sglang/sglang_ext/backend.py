@@ -32,6 +32,7 @@ from sglang.srt.runtime_context import get_parallel
 from ..kernels import KV4DecodeWorkspace
 from ..kernels.attend import kv4_attention_step
 from ..kv4.regions import new_side_slots, region_lists
+from .host_clock import HostClock, timed
 from .pool import KV4TokenToKVPool
 
 BACKEND_NAME = "kv4rl"
@@ -139,6 +140,7 @@ class PrefillGraphBuffers:
 class KV4RLAttnBackend(AttentionBackend):
     def __init__(self, model_runner):
         super().__init__()
+        self.host_clock = HostClock()  # host time planning each step (pool_info's host_clock, backend.*)
         pool = model_runner.token_to_kv_pool
         if not isinstance(pool, KV4TokenToKVPool):
             raise RuntimeError("the kv4rl attention backend needs the kv4rl KV pool: launch with --kv4rl "
@@ -166,6 +168,7 @@ class KV4RLAttnBackend(AttentionBackend):
 
     # ---- per step, eager ----
 
+    @timed("plan_step")
     def init_forward_metadata(self, forward_batch):
         fb = forward_batch
         fm = fb.forward_mode
@@ -264,6 +267,7 @@ class KV4RLAttnBackend(AttentionBackend):
     def get_cuda_graph_seq_len_fill_value(self):
         return GRAPH_SEQ_LEN_FILL
 
+    @timed("plan_graph_step")
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
         """Before a capture (``in_capture``: a dummy batch, planned as all padding) and before every
         replay (``forward_batch``: the runner's padded view; its ``out_cache_loc`` holds the real

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from array import array
 
 import torch
@@ -154,6 +155,16 @@ def _install_turn_guard() -> None:
         self._add_request_to_queue(req)
 
     def handle_generate_request(self, recv_req):
+        cache = self.tree_cache
+        if not isinstance(cache, KVStreamRadixCache):
+            return handle(self, recv_req)
+        t0 = time.perf_counter()
+        try:  # SGLang's request creation included, and the turn's evict_spans and begin_turn (timed on their own)
+            return handle(self, recv_req)
+        finally:
+            cache.host_clock.add("handle_generate_request", time.perf_counter() - t0)
+
+    def handle(self, recv_req):
         reason = ids_refusal(recv_req.input_ids, self.model_config.vocab_size)
         cache = self.tree_cache
         evict = pop_turn_eviction(recv_req)
@@ -298,11 +309,20 @@ def _install_rpc() -> None:
         return dict(available_tokens=int(allocator.available_size()), total_tokens=int(allocator.size),
                     evictable_tokens=int(cache.evictable_size()), protected_tokens=int(cache.protected_size()),
                     open_streams=len(cache.streams), stream_tokens=cache.stream_tokens(), **cache.counters,
+                    host_clock=host_clock_report(cache, runner.attn_backend),
                     **turn_batcher(self).counters,
                     pool=type(allocator.get_kvcache()).__name__, open_sessions=len(self.session_controller.sessions),
                     kv_bytes=int(sum(kv_bytes) if isinstance(kv_bytes, tuple) else kv_bytes),
                     cell_bytes=int(configurator._cell_size),
                     max_running_requests=int(runner.req_to_token_pool.size))
+
+    def host_clock_report(cache, backend) -> dict:
+        """The stream cache's and the kv4rl backend's hook times (``host_clock``), the backend's as ``backend.*``."""
+        out = cache.host_clock.report()
+        clock = getattr(backend, "host_clock", None)
+        if clock is not None:
+            out.update({f"backend.{name}": v for name, v in clock.report().items()})
+        return out
 
     original = Scheduler.handle_rpc_request
 

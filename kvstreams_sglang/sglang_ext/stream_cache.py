@@ -58,6 +58,7 @@ from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey, TreeNode
 from trainer_masks import EvictionError, check_spans
 
 from . import STREAM_EVICTED
+from .host_clock import HostClock, timed
 from .sessions import replace_session_tokens, session_tokens
 
 BACKEND_NAME = "kvstreams"  # --radix-cache-backend
@@ -110,6 +111,7 @@ class KVStreamRadixCache(RadixCache):
         # a shared prefix not in the tree yet -> the first turn computing it (patches' sibling deferral)
         self.prompts_in_flight: dict[tuple, object] = {}
         self.counters = dict(prefix_hit_tokens=0, branches_evicted=0, turns_aborted_evicted=0)
+        self.host_clock = HostClock()  # the scheduler's host time in the hooks below (pool_info)
         super().__init__(params)
 
     # ---- streams ----
@@ -135,6 +137,7 @@ class KVStreamRadixCache(RadixCache):
         state = self.streams.get(session.session_id)
         return state if state is not None and req.rid == state.turn_rid else None
 
+    @timed("begin_turn")
     def begin_turn(self, session, recv_req) -> StreamState:
         """A turn of an idle streaming session arrived (before SGLang builds its request): the stream, opened
         here if the session was opened without ``kvstreams_open``; its first turn fixes the shared prefix."""
@@ -164,6 +167,7 @@ class KVStreamRadixCache(RadixCache):
             self._delete_subtree(branch)
 
     # ---- SGLang's request paths ----
+    @timed("match_prefix")
     def match_prefix(self, params: MatchPrefixParams):
         req = params.req
         state = self.stream_of(req)
@@ -187,6 +191,7 @@ class KVStreamRadixCache(RadixCache):
             self._count_prompt(state)  # the snapshot stays while this stream is open (it loads it before its extend)
         return result
 
+    @timed("cache_unfinished_req")
     def cache_unfinished_req(self, req, chunked=False):
         state = self.stream_of(req)
         if state is None:
@@ -214,6 +219,7 @@ class KVStreamRadixCache(RadixCache):
             self._snapshot_prompt(state, req)
             self._prefill_cached(state, req)
 
+    @timed("cache_finished_req")
     def cache_finished_req(self, req, is_insert: bool = True, *, kv_len_to_handle: int):
         state = self.stream_of(req)
         if state is None:
@@ -247,6 +253,7 @@ class KVStreamRadixCache(RadixCache):
         self._save_side(state, req)
         session.finish_req(req)
 
+    @timed("evict")
     def evict(self, params: EvictParams) -> EvictResult:
         """``RadixCache.evict`` (leaves by the eviction policy, plain cache before private branches), except
         that a private branch leaves whole: a stream keeps all its KV or none of it."""
@@ -272,6 +279,7 @@ class KVStreamRadixCache(RadixCache):
         return EvictResult(num_tokens_evicted=evicted)
 
     # ---- in-place span eviction (between turns) ----
+    @timed("evict_spans")
     def evict_spans(self, session, spans) -> int:
         """Evict ``spans`` (``[start, end)`` logical positions) of a stream in place: validated against the
         server's view with ``trainer_masks.check_spans``; spans inside the shared prefix are refused (its KV is
@@ -351,6 +359,7 @@ class KVStreamRadixCache(RadixCache):
             del self.prompts_in_flight[key]
 
     # ---- kv4rl side rows ----
+    @timed("load_side_rows")
     def load_side_rows(self, reqs) -> None:
         """Before an extend: put each stream's saved INT8 side row under the row its turn runs in (once per row); a
         first turn that matched its prompt in the tree starts from the prompt's snapshot."""
