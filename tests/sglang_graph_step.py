@@ -5,7 +5,8 @@ check.
 
 Two copies of the same state (a ``KV4TokenToKVPool`` and its ``req_to_token`` rows, prefilled through the backend's
 eager extend; one row compacted by an eviction, so its slots sit at logical positions with a gap and its next position
-is past its row length, as kv-streams leaves a row), each with its own ``KV4RLAttnBackend``. Every step runs the same
+is past its row length, as kv-streams leaves a row), each with its own ``KV4RLAttnBackend`` (the eager copy's planning
+its region lists with the torch rule, the graph copy's with the planner kernels). Every step runs the same
 new tokens (random q/k/v per layer) through both:
 
 - eager: ``init_forward_metadata`` and ``forward_decode`` per layer (SGLang without graphs);
@@ -30,10 +31,16 @@ the other slots empty); before each replay the real requests in the first slots,
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+
+if __name__ == "__main__" and "cuda" not in sys.argv:
+    # the planner kernels run under Triton's interpreter here; it must be on before SGLang's imports load Triton's
+    # standard library (``tl.sum``, ``tl.cumsum``), or those stay compiled functions the interpreter cannot call
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import torch
 
@@ -57,7 +64,7 @@ PREFILL_STEPS = [[(1, 5), (2, 9)], [(3, 20)], [(1, 3), (5, 2), (6, 11), (2, 1)],
 class Copy:
     """One pool + backend + the requests' bookkeeping."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype):
+    def __init__(self, device: torch.device, dtype: torch.dtype, *, plan_kernel: bool):
         from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
         from sglang.srt.runtime_context import get_parallel
 
@@ -73,6 +80,7 @@ class Copy:
                                  model_config=SimpleNamespace(num_attention_heads=HQ))
         with get_parallel().override(attn_tp_size=1):
             self.backend = KV4RLAttnBackend(runner)
+        self.backend.plan_kernel = plan_kernel
         self.layers = [SimpleNamespace(layer_id=i, tp_q_head_num=HQ, tp_k_head_num=HKV, tp_v_head_num=HKV,
                                        qk_head_dim=D, v_head_dim=D, scaling=D ** -0.5, is_cross_attention=False)
                        for i in range(LAYERS)]
@@ -319,7 +327,9 @@ class PrefillGraphRunner:
 def prefilled_copies(device: torch.device, gen: torch.Generator) -> tuple[Copy, Copy]:
     """Two copies of the same state: ``REQUESTS`` prefilled through the eager extend, the evictions applied."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    eager, graph = Copy(device, dtype), Copy(device, dtype)
+    # the eager copy plans its lists with the torch rule, the graph copy with the planner kernels
+    # (``kernels.region_plan``, the GPU's default): the bit-for-bit comparisons hold the two planners to each other
+    eager, graph = Copy(device, dtype, plan_kernel=False), Copy(device, dtype, plan_kernel=True)
     for row, (n, span) in REQUESTS.items():
         qkv = qkv_for(n, gen, dtype, device)
         for c in (eager, graph):

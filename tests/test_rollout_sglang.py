@@ -341,7 +341,7 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
         assert any(f.startswith("scheduler.py:") for f in spy["scheduler"]["function_share"]), spy
     stock, ours = runs["stock_bf16"], runs["streams_bf16"]
     assert ours["reprefilled_tokens"] == 0 and ours["client"]["stats"]["cached_tokens_lost"] == 0
-    # ours: the scheduler's host time in our hooks over the window (/kvstreams/pool_info's host_clock)
+    # ours: the scheduler's host time in our hooks over the window (/kvstreams/host_clock)
     host, turns = ours["scheduler_host"], ours["client"]["stats"]["turns"]
     assert stock["scheduler_host"] is None and turns > 0
     # each turn arrives through the request hook, is matched and finishes once (the window's edges cut a few)

@@ -23,6 +23,7 @@ captured layers read only those (every kernel grid fixed by the token bucket).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,7 @@ from sglang.srt.runtime_context import get_parallel
 
 from ..kernels import KV4DecodeWorkspace
 from ..kernels.attend import kv4_attention_step
+from ..kernels.region_plan import planned_region_lists
 from ..kv4.regions import new_side_slots, region_lists
 from .host_clock import HostClock, timed
 from .pool import KV4TokenToKVPool
@@ -140,7 +142,7 @@ class PrefillGraphBuffers:
 class KV4RLAttnBackend(AttentionBackend):
     def __init__(self, model_runner):
         super().__init__()
-        self.host_clock = HostClock()  # host time planning each step (pool_info's host_clock, backend.*)
+        self.host_clock = HostClock()  # host time planning each step (/kvstreams/host_clock, as backend.*)
         pool = model_runner.token_to_kv_pool
         if not isinstance(pool, KV4TokenToKVPool):
             raise RuntimeError("the kv4rl attention backend needs the kv4rl KV pool: launch with --kv4rl "
@@ -152,6 +154,10 @@ class KV4RLAttnBackend(AttentionBackend):
                                f"{self.req_to_token.shape[0]} (SGLang's reserved row 0 included)")
         self.device = torch.device(model_runner.device)
         self.use_triton = self.device.type == "cuda"
+        # the region lists from the two-kernel planner (``kernels.region_plan``) rather than ~75 torch ops: the
+        # same lists; the host's planning time per step is what the scheduler cannot hide.
+        # KVSTREAMS_PLAN_KERNEL=0 plans with the torch rule (an A/B switch for the benches)
+        self.plan_kernel = self.use_triton and os.environ.get("KVSTREAMS_PLAN_KERNEL", "1") != "0"
         # --kv4rl-batch-invariant: plans that do not depend on the batch (``kernels.decode.plan_decode``)
         self.invariant = bool(getattr(getattr(model_runner, "server_args", None), "kv4rl_batch_invariant", False))
         self.num_q_heads = model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size
@@ -211,17 +217,13 @@ class KV4RLAttnBackend(AttentionBackend):
         sink, recent = self.pool.sink, self.pool.recent
         # every slot remembers the position its token was computed at (rows get compacted)
         self.pool.slot_positions[out_slots] = p_new[:n].to(torch.int32)
-        col = torch.arange(width, device=dev)[None]
-        slots = self.req_to_token[rows, :width]
-        kept = self.pool.slot_positions[slots.long()].long()
         last = max(n - 1, 0)  # a request with no new token indexes its neighbour's (its lists are empty anyway)
         first_new = p_new[qo[:-1].long().clamp(max=last)]
         end_after = p_new[(qo[1:].long() - 1).clamp(min=0, max=last)] + 1
         stream_of = torch.repeat_interleave(torch.arange(rows.numel(), device=dev), num_new, output_size=n)
         side_slots = new_side_slots(rows[stream_of], p_new[:n], end_after[stream_of], sink=sink, recent=recent)
         # new tokens attend to each other in full precision, the prefix through KV4
-        kv4 = region_lists(rows, slots, kept, col < prefix[:, None], first_new, sink=sink, recent=recent,
-                           capacity=total)
+        kv4 = self._region_lists(rows, prefix, first_new, width, capacity=total)
         return qo, side_slots, kv4
 
     def _decode_lists(self, rows, seq_lens, positions, out_slots, width: int, total: int | None = None):
@@ -233,13 +235,22 @@ class KV4RLAttnBackend(AttentionBackend):
         sink, recent = self.pool.sink, self.pool.recent
         rows, seq_lens, p_new = rows.long(), seq_lens.long(), positions.long()
         self.pool.slot_positions[out_slots] = p_new.to(torch.int32)
-        slots = self.req_to_token[rows, :width]  # [B, W]
-        kept = self.pool.slot_positions[slots.long()].long()  # [B, W] logical positions (rows get compacted)
-        valid = torch.arange(width, device=self.device)[None] < seq_lens[:, None]
         end = p_new + 1
         side_slots = new_side_slots(rows, p_new, end, sink=sink, recent=recent)
-        kv4 = region_lists(rows, slots, kept, valid, end, sink=sink, recent=recent, capacity=total)
+        kv4 = self._region_lists(rows, seq_lens, end, width, capacity=total)
         return side_slots, kv4
+
+    def _region_lists(self, rows, lengths, ends, width: int, *, capacity: int | None) -> dict[str, torch.Tensor]:
+        """The region lists of requests holding the first ``lengths`` slots of their ``rows`` (at most ``width``),
+        whose next positions are ``ends``: ``kernels.region_plan`` (``plan_kernel``) or the torch rule."""
+        sink, recent = self.pool.sink, self.pool.recent
+        if self.plan_kernel:
+            return planned_region_lists(rows, lengths, ends, self.req_to_token, self.pool.slot_positions, sink=sink,
+                                        recent=recent, capacity=capacity)
+        slots = self.req_to_token[rows, :width]  # [B, W]
+        kept = self.pool.slot_positions[slots.long()].long()  # [B, W] logical positions (rows get compacted)
+        valid = torch.arange(width, device=self.device)[None] < lengths[:, None]
+        return region_lists(rows, slots, kept, valid, ends, sink=sink, recent=recent, capacity=capacity)
 
     @staticmethod
     def _host_sizes(fb, n: int) -> tuple[int, int]:

@@ -71,6 +71,10 @@ class KVStreamsEngine(Engine):
         streams hold, the stream counters, the pool class (``kvstreams_pool_info`` in ``patches``)."""
         return self._rpc("kvstreams_pool_info")
 
+    def host_clock(self) -> dict:
+        """The scheduler's host time so far per hook (``kvstreams_host_clock`` in ``patches``)."""
+        return self._rpc("kvstreams_host_clock")
+
     def update_weights_keep_cache(self, model_path: str, *, weight_version: str | None = None) -> dict:
         """Load weights from disk without flushing the cache: sessions keep their KV."""
         obj = UpdateWeightFromDiskReqInput(model_path=model_path, flush_cache=False, weight_version=weight_version)

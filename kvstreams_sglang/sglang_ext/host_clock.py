@@ -3,7 +3,7 @@
 Why: the GPU idles while the scheduler works on the host past a step's length (a rollout on an H100 left ours'
 GPU ~20% idle, ~4.7 ms per step, against ~0.7 ms for stock SGLang), and a sampling profiler needs a tool on the
 device and a share-of-window reading. These counters cost two ``perf_counter`` calls a hook and come back with
-``/kvstreams/pool_info`` (``host_clock``), so a bench reads where the scheduler's time went over its window as
+``/kvstreams/host_clock``, so a bench reads where the scheduler's time went over its window as
 a difference of two snapshots (``bench.rollout_sglang``: ms per turn by hook).
 """
 

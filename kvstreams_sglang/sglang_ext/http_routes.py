@@ -28,8 +28,9 @@ of its own, and the RPC channel serves one call per step.
 ``evicted``). ``POST /kvstreams/session_info {"session_id"}`` and ``POST /kvstreams/pool_info {}``
 read (pool: ``available_tokens``, ``evictable_tokens``, ``protected_tokens``, ``total_tokens``,
 ``stream_tokens`` held by open streams' private branches, ``open_streams``, ``prefix_hit_tokens``,
-``branches_evicted``, ``turns_aborted_evicted``, ...). A refused call answers 400 with the reason;
-nothing was changed.
+``branches_evicted``, ``turns_aborted_evicted``, ...). ``POST /kvstreams/host_clock {}``: the scheduler's host
+time so far per hook (``sglang_ext.host_clock``; a bench differences two reads). A refused call answers 400 with
+the reason; nothing was changed.
 
 The calls reach the scheduler over SGLang's RPC channel (the socket ``Engine.collective_rpc``
 uses), one at a time, between two scheduler steps.
@@ -120,3 +121,7 @@ def add_routes(app: FastAPI, rpc_ipc_name: str) -> None:
     @app.post("/kvstreams/pool_info")
     async def pool_info():
         return await rpc.respond("kvstreams_pool_info")
+
+    @app.post("/kvstreams/host_clock")
+    async def host_clock():
+        return await rpc.respond("kvstreams_host_clock")

@@ -309,17 +309,17 @@ def _install_rpc() -> None:
         return dict(available_tokens=int(allocator.available_size()), total_tokens=int(allocator.size),
                     evictable_tokens=int(cache.evictable_size()), protected_tokens=int(cache.protected_size()),
                     open_streams=len(cache.streams), stream_tokens=cache.stream_tokens(), **cache.counters,
-                    host_clock=host_clock_report(cache, runner.attn_backend),
                     **turn_batcher(self).counters,
                     pool=type(allocator.get_kvcache()).__name__, open_sessions=len(self.session_controller.sessions),
                     kv_bytes=int(sum(kv_bytes) if isinstance(kv_bytes, tuple) else kv_bytes),
                     cell_bytes=int(configurator._cell_size),
                     max_running_requests=int(runner.req_to_token_pool.size))
 
-    def host_clock_report(cache, backend) -> dict:
-        """The stream cache's and the kv4rl backend's hook times (``host_clock``), the backend's as ``backend.*``."""
-        out = cache.host_clock.report()
-        clock = getattr(backend, "host_clock", None)
+    def kvstreams_host_clock(self):
+        """The scheduler's host time so far in the stream cache's hooks, the turn request hook and (kv4rl) the
+        backend's step planning (``backend.*``): ``{hook: {"calls", "seconds"}}`` (``host_clock``)."""
+        out = self.tree_cache.host_clock.report()
+        clock = getattr(self.tp_worker.model_runner.attn_backend, "host_clock", None)
         if clock is not None:
             out.update({f"backend.{name}": v for name, v in clock.report().items()})
         return out
@@ -341,6 +341,7 @@ def _install_rpc() -> None:
     Scheduler.kvstreams_evict = kvstreams_evict
     Scheduler.kvstreams_session_info = kvstreams_session_info
     Scheduler.kvstreams_pool_info = kvstreams_pool_info
+    Scheduler.kvstreams_host_clock = kvstreams_host_clock
     Scheduler.handle_rpc_request = handle_rpc_request
 
 

@@ -111,7 +111,7 @@ class KVStreamRadixCache(RadixCache):
         # a shared prefix not in the tree yet -> the first turn computing it (patches' sibling deferral)
         self.prompts_in_flight: dict[tuple, object] = {}
         self.counters = dict(prefix_hit_tokens=0, branches_evicted=0, turns_aborted_evicted=0)
-        self.host_clock = HostClock()  # the scheduler's host time in the hooks below (pool_info)
+        self.host_clock = HostClock()  # the scheduler's host time in the hooks below (/kvstreams/host_clock)
         super().__init__(params)
 
     # ---- streams ----
