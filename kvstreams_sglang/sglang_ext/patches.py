@@ -318,10 +318,11 @@ def _install_rpc() -> None:
     def kvstreams_host_clock(self):
         """The scheduler's host time so far in the stream cache's hooks, the turn request hook and (kv4rl) the
         backend's step planning (``backend.*``): ``{hook: {"calls", "seconds"}}`` (``host_clock``)."""
-        out = self.tree_cache.host_clock.report()
-        clock = getattr(self.tp_worker.model_runner.attn_backend, "host_clock", None)
-        if clock is not None:
-            out.update({f"backend.{name}": v for name, v in clock.report().items()})
+        out = {}
+        for prefix, owner in (("", self.tree_cache), ("backend.", self.tp_worker.model_runner.attn_backend)):
+            clock = getattr(owner, "host_clock", None)  # (--kv4rl without streams: no stream cache)
+            if clock is not None:
+                out.update({prefix + name: v for name, v in clock.report().items()})
         return out
 
     original = Scheduler.handle_rpc_request
