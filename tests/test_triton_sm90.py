@@ -1,4 +1,4 @@
-"""The Triton kernels (KV4, and the HF-rounding norm) compile for the H200 (sm_90) on any machine, GPU or not.
+"""The Triton kernels (KV4, the region planner, the HF-rounding norm) compile for the H200 (sm_90) anywhere.
 
 CI runs the kernels under Triton's interpreter, which accepts code the compiler rejects (a string default of a
 ``tl.constexpr`` helper parameter passed the interpreter and failed on the H200: 2026-12-03). Each case here goes
@@ -20,12 +20,13 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kvstreams_sglang.kernels import decode, extend, hf_rms_norm, quantize, store
+    from kvstreams_sglang.kernels import decode, extend, hf_rms_norm, quantize, region_plan, store
 
     KERNELS = dict(query=quantize._query_kernel, decode=decode._decode_kernel, extend=extend._extend_kernel,
                    merge=extend._merge_splits_kernel, store=store._store_kernel,
-                   hf_rms_norm=hf_rms_norm._hf_rms_norm_kernel)
-    INTS = {"H", "R", "N", "num_heads", "chunk", "magic"}
+                   hf_rms_norm=hf_rms_norm._hf_rms_norm_kernel, plan_count=region_plan._count_kernel,
+                   plan_write=region_plan._write_kernel)
+    INTS = {"H", "R", "N", "num_heads", "chunk", "magic", "num_req", "sink", "recent", "ring", "width"}
     case = json.loads(sys.argv[1])
     fn = KERNELS[case["kernel"]]
     signature = {}
@@ -71,6 +72,13 @@ CASES = {
     "store": dict(kernel="store", pointers=dict(K="bf16", V="bf16", Slots="i64", SideSlots="i64", Hmat="fp32", **CACHE,
                                                 KMeta="fp16", VMeta="fp16"),
                   constexprs=dict(HALF=64, BLOCK_T=64, ROTATE=True, ROT_PREC="tf32x3")),
+    "plan_count": dict(kernel="plan_count", pointers=dict(rows="i64", lengths="i64", ends="i64", req_to_token="i32",
+                                                         slot_positions="i32", counts="i32"),
+                       constexprs=dict(BLOCK=256)),
+    "plan_write": dict(kernel="plan_write", pointers=dict(rows="i64", lengths="i64", ends="i64", req_to_token="i32",
+                                                         slot_positions="i32", kv_indptr="i32", side_indptr="i32",
+                                                         kv_indices="i32", side_indices="i32"),
+                       constexprs=dict(BLOCK=256)),
     "hf_rms_norm": dict(kernel="hf_rms_norm", pointers=dict(X="bf16", R="bf16", W="bf16", OUT="bf16", SUM="bf16"),
                         constexprs=dict(HAS_RESIDUAL=True, BF16=True, BLOCK=4096)),
 }

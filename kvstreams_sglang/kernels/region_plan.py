@@ -32,7 +32,7 @@ def _walk(req_to_token, stride_row, slot_positions, row, start, n, end, sink, re
     slot = tl.load(req_to_token + row * stride_row + offs, mask=inside, other=0)
     pos = tl.load(slot_positions + slot, mask=inside, other=0)
     protected = (pos < sink) | (pos >= end - recent)
-    return slot, pos, inside & protected, inside & (protected == 0)
+    return slot, pos, inside & protected, inside & ~protected
 
 
 @triton.jit
