@@ -2,9 +2,10 @@
 
 Why: the backend plans every step's INT4 / INT8 lists on the host before its launch (``KV4RLAttnBackend
 ._region_lists``); the scheduler cannot hide what that costs past a step's length. Side by side, in one process:
-``torch`` gathers the rows and runs ``regions.region_lists`` (~75 ops), ``kernel`` runs ``kernels.region_plan``
-(two launches and a cumsum). Rows are compacted streams (evicted positions missing), ``capacity`` given as under
-CUDA graphs (no host sync). Host time: the call alone (launches queue); device time: CUDA events around it.
+``torch`` is ``regions.row_region_lists`` (gather the rows, then ``region_lists``: ~75 ops), ``kernel`` is
+``kernels.region_plan`` (two launches and a cumsum). Rows are compacted streams (evicted positions missing),
+``capacity`` given as under CUDA graphs (no host sync). Host time: the call alone (launches queue); device time:
+CUDA events around it.
 
     python -m bench.plan_cost --out bench/results/plan_cost_h200.json            (GPU)
     python -m bench.plan_cost --device cpu --batches 4 --lengths 300 --iters 3  (a smoke run under the interpreter)
@@ -39,12 +40,10 @@ def rows_table(batch: int, length: int, *, device, seed: int = 0):
 
 
 def plan_torch(rows, lengths, ends, req_to_token, slot_positions, width, *, sink, recent, capacity):
-    from kvstreams_sglang.kv4.regions import region_lists
+    from kvstreams_sglang.kv4.regions import row_region_lists
 
-    slots = req_to_token[rows, :width]
-    kept = slot_positions[slots.long()].long()
-    valid = torch.arange(width, device=rows.device)[None] < lengths[:, None]
-    return region_lists(rows, slots, kept, valid, ends, sink=sink, recent=recent, capacity=capacity)
+    return row_region_lists(rows, lengths, ends, req_to_token, slot_positions, width=width, sink=sink, recent=recent,
+                            capacity=capacity)
 
 
 def plan_kernel(rows, lengths, ends, req_to_token, slot_positions, width, *, sink, recent, capacity):

@@ -1,4 +1,4 @@
-"""The two-kernel region planner equals ``regions.region_lists`` (the torch rule), read from the row table.
+"""The two-kernel region planner equals ``regions.row_region_lists`` (the torch rule), read from the row table.
 
 Why: the kv4rl backend plans every step's INT4 / INT8 lists on the host before the launch; the kernels do in two
 launches what the torch form does in ~75 (``kernels.region_plan``). Rows here are compacted as streams leave them
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvstreams_sglang.kernels.region_plan import planned_region_lists
-from kvstreams_sglang.kv4.regions import region_lists
+from kvstreams_sglang.kv4.regions import row_region_lists
 
 
 def table(lengths: list[int], *, width: int, seed: int, device):
@@ -39,10 +39,8 @@ def test_planned_lists_equal_the_torch_rule(sink, recent, capacity, device):
     rows, lens, ends, req_to_token, slot_positions = table(lengths, width=width, seed=sink + 3 * recent,
                                                             device=device)
     cap = int(sum(lengths)) + 5 if capacity else None
-    slots = req_to_token[rows.long(), :width]
-    kept = slot_positions[slots.long()].long()
-    valid = torch.arange(width, device=device)[None] < lens[:, None]
-    want = region_lists(rows.long(), slots, kept, valid, ends.long(), sink=sink, recent=recent, capacity=cap)
+    want = row_region_lists(rows.long(), lens, ends.long(), req_to_token, slot_positions, width=width, sink=sink,
+                            recent=recent, capacity=cap)
     got = planned_region_lists(rows, lens, ends, req_to_token, slot_positions, sink=sink, recent=recent,
                                capacity=cap)
     for region in ("kv", "side"):

@@ -72,6 +72,18 @@ def region_lists(rows: torch.Tensor, slots: torch.Tensor, positions: torch.Tenso
     return dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr, side_indices=side_indices)
 
 
+def row_region_lists(rows: torch.Tensor, lengths: torch.Tensor, ends: torch.Tensor, req_to_token: torch.Tensor,
+                     slot_positions: torch.Tensor, *, width: int, sink: int, recent: int,
+                     capacity: int | None = None) -> dict[str, torch.Tensor]:
+    """``region_lists`` of requests holding the first ``lengths`` slots (at most ``width``) of their ``rows`` of a
+    row table, each slot's logical position in ``slot_positions``; ``ends``: their next positions. The torch form
+    of ``kernels.region_plan.planned_region_lists`` (the same lists)."""
+    slots = req_to_token[rows, :width]  # [B, W]
+    kept = slot_positions[slots.long()].long()  # [B, W] logical positions (rows get compacted)
+    valid = torch.arange(width, device=rows.device)[None] < lengths[:, None]
+    return region_lists(rows, slots, kept, valid, ends, sink=sink, recent=recent, capacity=capacity)
+
+
 def new_side_slots(rows: torch.Tensor, positions: torch.Tensor, end_after: torch.Tensor, *, sink: int,
                    recent: int) -> torch.Tensor:
     """Where newly computed tokens (``positions`` of sequences ``rows``, which end at

@@ -33,7 +33,7 @@ from sglang.srt.runtime_context import get_parallel
 from ..kernels import KV4DecodeWorkspace
 from ..kernels.attend import kv4_attention_step
 from ..kernels.region_plan import planned_region_lists
-from ..kv4.regions import new_side_slots, region_lists
+from ..kv4.regions import new_side_slots, row_region_lists
 from .host_clock import HostClock, timed
 from .pool import KV4TokenToKVPool
 
@@ -247,10 +247,8 @@ class KV4RLAttnBackend(AttentionBackend):
         if self.plan_kernel:
             return planned_region_lists(rows, lengths, ends, self.req_to_token, self.pool.slot_positions, sink=sink,
                                         recent=recent, capacity=capacity)
-        slots = self.req_to_token[rows, :width]  # [B, W]
-        kept = self.pool.slot_positions[slots.long()].long()  # [B, W] logical positions (rows get compacted)
-        valid = torch.arange(width, device=self.device)[None] < lengths[:, None]
-        return region_lists(rows, slots, kept, valid, ends, sink=sink, recent=recent, capacity=capacity)
+        return row_region_lists(rows, lengths, ends, self.req_to_token, self.pool.slot_positions, width=width,
+                                sink=sink, recent=recent, capacity=capacity)
 
     @staticmethod
     def _host_sizes(fb, n: int) -> tuple[int, int]:
