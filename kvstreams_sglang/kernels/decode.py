@@ -344,11 +344,10 @@ def plan_decode(kv_indptr: torch.Tensor, kv_indices: torch.Tensor, side_indptr: 
     a row's output no longer depends on the batch it runs in (its split count and sizes would otherwise follow the
     batch size and the longest list), at the cost of the split rules' balance."""
     batch = kv_indptr.numel() - 1
-    if invariant:
-        num_splits = cuda_splits = INVARIANT_SPLITS
     per_request = max_context is not None or invariant
-    if invariant:
-        max_len, even = 0, True  # (unused: both counts are fixed)
+    if invariant:  # both counts fixed, each split sized per request
+        num_splits = cuda_splits = INVARIANT_SPLITS
+        max_len, even = 0, True  # (unused)
     elif per_request:  # the graph rule: the even-length rule at the longest length a request can have
         max_len, even = max_context, True
     else:
@@ -429,10 +428,12 @@ class KV4DecodeWorkspace:
             side = max_side if max_side is not None else max_context
             self._static = (torch.zeros(max_bs + 1, **i32), torch.zeros(max(1, max_bs * max_context), **i32),
                             torch.zeros(max_bs + 1, **i32), torch.zeros(max(1, max_bs * side), **i32))
-            rows_parts = max(b * max(triton_split_count(b, max_context, num_kv_heads, block_n=triton_variant.block_n)
-                                     + 1, cuda_split_count(b, max_context)) for b in range(1, max_bs + 1))
             if invariant:
                 rows_parts = max_bs * (INVARIANT_SPLITS + 1)
+            else:
+                rows_parts = max(b * max(triton_split_count(b, max_context, num_kv_heads,
+                                                            block_n=triton_variant.block_n) + 1,
+                                         cuda_split_count(b, max_context)) for b in range(1, max_bs + 1))
             self._graph = DecodeBuffers.empty(rows_parts, max_bs, num_q_heads, num_kv_heads, head_dim, self.device)
         self._cuda_fns: dict[tuple, CudaDecodeKernel | None] = {}
         self._launchers: dict[tuple, Launcher | None] = {}  # (cache pointers, Hkv, q dtype, scale, rotate, variant)
