@@ -9,7 +9,8 @@
 # Writes OUT_DIR/metrics.jsonl (per step: rollout_s = generation wait, sync_s = weight broadcast, train_s, tokens,
 # sglang_cached_tokens_lost, sglang_streams_opened_server<i>), metrics.png, the server logs and the command lines.
 # MODEL=/path serves and trains that checkpoint; else a random Qwen3-4B-shaped one is built. The servers batch turns
-# into prefill steps (TURN_BATCH_RATIO, default 0.25: --kv-streams-turn-batch-ratio; 0 turns it off).
+# into prefill steps (TURN_BATCH_RATIO, default 0.25: SGLang's --enable-prefill-delayer
+# --prefill-delayer-queue-min-ratio; 0 turns it off).
 set -euo pipefail
 layout=${1:?2gpu or 4gpu}; out=${2:?output dir}; steps=${3:-10}
 case $layout in
@@ -31,8 +32,9 @@ port=${PORT:-31200}
 for g in "${server_gpus[@]}"; do
   cmd=(python3 -m kvstreams_sglang.launch_server --model-path "$model" --kv4rl --enable-kv-streams --port "$port"
        --mem-fraction-static "${MEM_FRACTION:-0.80}" --max-running-requests "${MAX_RUNNING:-128}"
-       --grammar-backend none --skip-tokenizer-init --enable-metrics
-       --kv-streams-turn-batch-ratio "${TURN_BATCH_RATIO:-0.25}" --kv-streams-turn-batch-max-delay-ms 40)
+       --grammar-backend none --skip-tokenizer-init --enable-metrics)
+  [ "${TURN_BATCH_RATIO:-0.25}" = 0 ] || cmd+=(--enable-prefill-delayer --prefill-delayer-queue-min-ratio
+       "${TURN_BATCH_RATIO:-0.25}" --prefill-delayer-max-delay-ms 40)
   echo "CUDA_VISIBLE_DEVICES=$g ${cmd[*]}" >> "$out/commands.txt"
   CUDA_VISIBLE_DEVICES=$g "${cmd[@]}" > "$out/server_gpu$g.log" 2>&1 &
   pids+=($!); urls+=("http://127.0.0.1:$port"); port=$((port + 1))

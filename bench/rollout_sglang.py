@@ -186,19 +186,17 @@ def server_for(setup: Setup, a, port: int, log_dir: Path) -> Server:
         elif prefill_graph != "default":
             flags += ["--cuda-graph-backend-prefill", prefill_graph]
         env = {"SGLANG_ENABLE_METRICS_DEVICE_TIMER": "1"}
-    flags += turn_batching_flags(setup, a.turn_batching, a.turn_batch_max_delay_ms)
+    flags += turn_batching_flags(a.turn_batching, a.turn_batch_max_delay_ms)
     return Server(cfg, a.model, port, log_dir / f"server_{setup.name}.log", flags=flags, env=env)
 
 
-def turn_batching_flags(setup: Setup, ratio: float, max_delay_ms: float) -> list[str]:
-    """The same prefill-holding rule on every server: SGLang's prefill delayer (queue trigger) on stock, which runs
-    overlap scheduling, and ours (``sglang_ext.turn_batching``) where kv streams turn overlap scheduling off."""
+def turn_batching_flags(ratio: float, max_delay_ms: float) -> list[str]:
+    """The same prefill-holding rule on every server, stock and ours (KV streams keep overlap scheduling, which it
+    needs): SGLang's prefill delayer, queue trigger."""
     if not ratio:
         return []
-    if setup.client == "stock":
-        return ["--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", str(ratio),
-                "--prefill-delayer-max-delay-ms", str(max_delay_ms)]
-    return ["--kv-streams-turn-batch-ratio", str(ratio), "--kv-streams-turn-batch-max-delay-ms", str(max_delay_ms)]
+    return ["--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", str(ratio),
+            "--prefill-delayer-max-delay-ms", str(max_delay_ms)]
 
 
 def model_dims(model: str) -> tuple[int, int, int, str]:
@@ -704,8 +702,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(SGLang's full_prefill_max_req; default 16 at chunked prefill 8192); larger steps run eagerly")
     g.add_argument("--turn-batching", type=float, default=0.0,
                    help="hold prefills back while fewer than RATIO x running requests wait, on every server\n"
-                        "(stock: --enable-prefill-delayer --prefill-delayer-queue-min-ratio;\n"
-                        "ours: --kv-streams-turn-batch-ratio)")
+                        "(SGLang's --enable-prefill-delayer --prefill-delayer-queue-min-ratio)")
     g.add_argument("--turn-batch-max-delay-ms", type=float, default=30.0)
     g.add_argument("--max-total-tokens", type=int, default=12288, help="KV pool tokens on a CPU (--device cpu)")
     g = p.add_argument_group("episodes")

@@ -206,6 +206,22 @@ def test_ours_max_running_requests_sizes_only_the_kv4rl_servers_rows(tmp_path):
         assert (flag(server, "--max-running-requests"), flag(server, "--cuda-graph-max-bs-decode")) == (rows, rows)
 
 
+def test_turn_batching_is_the_same_sglang_prefill_delayer_on_every_server(tmp_path):
+    """``--turn-batching``: stock and ours hold prefills back by one rule, SGLang's prefill delayer (its queue
+    trigger; ``test_prefill_delayer_batches_turns_on_a_kv_streams_server`` runs it on a KV-streams server)."""
+    from bench.rollout_sglang import SETUPS, parse_args, server_for
+
+    a = parse_args(["--model", "M", "--out", str(tmp_path / "o.json"), "--turn-batching", "0.25",
+                    "--turn-batch-max-delay-ms", "40"])
+    delayer = ["--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", "0.25",
+               "--prefill-delayer-max-delay-ms", "40.0"]
+    for name, setup in SETUPS.items():
+        flags = server_for(setup, a, 1, tmp_path).flags
+        assert flags[-len(delayer):] == delayer and not any("turn-batch" in f for f in flags), (name, flags)
+    off = parse_args(["--model", "M", "--out", str(tmp_path / "o.json")])
+    assert not any("delayer" in f for s in SETUPS.values() for f in server_for(s, off, 1, tmp_path).flags)
+
+
 def test_static_gib_gives_every_gpu_the_same_pool():
     """A fixed --mem-fraction-static leaves an H100 (80 GB) a quarter of the KV bytes an H200 (141 GB) gets beside
     the same 8 GiB of weights; --static-gib sizes the fraction by the card."""

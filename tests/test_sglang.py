@@ -353,8 +353,6 @@ cases = {
     "cache": dict(enable_kv_streams=True, radix_cache_backend="flexkv"),
     "hicache": dict(enable_kv_streams=True, enable_hierarchical_cache=True),
     "dp": dict(enable_kv_streams=True, enable_dp_attention=True),
-    "turn_batch": dict(kv4rl=True, kv_streams_turn_batch_ratio=0.25),
-    "turn_batch_ratio": dict(enable_kv_streams=True, kv_streams_turn_batch_ratio=-1.0),
     "hf_compile": dict(hf_numerics=True, enable_torch_compile=True),
     "hf_on_policy": dict(hf_numerics=True, rl_on_policy_target="fsdp"),
     "hf_parts_alone": dict(hf_numerics_parts="norms"),
@@ -397,7 +395,6 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "--page-size must be 1" in out and "drop --attention-backend" in out and "--kv-cache-dtype" in out
     assert "does not support --disable-radix-cache" in out and "--radix-cache-backend flexkv" in out
     assert "--enable-hierarchical-cache" in out and "--enable-dp-attention" in out
-    assert "--kv-streams-turn-batch-ratio needs --enable-kv-streams" in out and "must be >= 0, got -1.0" in out
     assert "ok kv4rl 1 False True False 256 kvstreams lpm" in out  # overlap scheduling stays on
     assert "the 'tc_piecewise' prefill CUDA graph backend is not supported" in out and "'breakable' decode graph" in out
     assert "prefill graphs full" in out  # whole captured prefill steps (PrefillGraphBuffers)
@@ -1021,15 +1018,33 @@ def test_random_stream_operations_leave_the_pool_whole(kv4rl_server):
     assert status == 200 and info["available_tokens"] == info["total_tokens"], info
 
 
-def test_turn_batching_holds_a_lone_prefill_back_until_enough_wait_or_the_delay_ends(tiny_model_path, tmp_path):
-    """``--kv-streams-turn-batch-ratio 4``: while one request decodes, a lone new request waits (the running one
-    decodes) until the delay ends; four arriving together (one batch request: 4 >= 4 x 1 running) go at once; two
-    wait until two more arrive. Every request still gets its tokens; the counters in /kvstreams/pool_info say which
-    rule released each held prefill."""
+def delayer_outcomes(url: str) -> dict[str, float]:
+    """SGLang's prefill delayer outcomes so far (``sglang:prefill_delayer_outcomes_total`` by ``output_reason``)."""
+    import urllib.request
+
+    from bench.sglang_servers import parse_metrics
+
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+        samples = parse_metrics(r.read().decode())
+    out: dict[str, float] = {}
+    for name, labels, value in samples:
+        if name == "sglang:prefill_delayer_outcomes_total":
+            out[labels["output_reason"]] = out.get(labels["output_reason"], 0.0) + value
+    return out
+
+
+def test_prefill_delayer_batches_turns_on_a_kv_streams_server(tiny_model_path, tmp_path):
+    """Turn batching on a KV-streams server is SGLang's own prefill delayer (queue trigger), the rule stock SGLang
+    runs in the rollout bench: ``--enable-kv-streams`` keeps overlap scheduling on, which the delayer needs. While
+    one request decodes (ratio 4: hold while fewer than 4 x 1 running wait, and fewer than the largest recent
+    prefill batch), a lone request waits until the delay ends; two wait until two more arrive; a wave of 12 goes at
+    once. Every request still gets its tokens; SGLang's outcome counters say which rule released each held
+    prefill."""
     import threading
     import time
 
-    flags = ("--kv-streams-turn-batch-ratio", "4", "--kv-streams-turn-batch-max-delay-ms", "1500")
+    flags = ("--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", "4", "--prefill-delayer-max-delay-ms",
+             "1500", "--prefill-delayer-max-delay-passes", "1000000", "--enable-metrics")
     with kv4rl_server_process(tiny_model_path, tmp_path / "server.log", *flags) as url:
         results = {}
 
@@ -1042,35 +1057,46 @@ def test_turn_batching_holds_a_lone_prefill_back_until_enough_wait_or_the_delay_
             t.start()
             return t
 
-        _, before = post(url, "/kvstreams/pool_info", {})
-        long = started("long", [5, 9, 11, 13], 1500, rid="long")  # decodes through both waves below
+        def wave(name):  # 12 >= 4 x 1 running: never held; it sets SGLang's recent largest prefill batch to 12
+            generate(name, [[40 + i, 9, 11, 13] for i in range(12)], 3)
+
+        long = started("long", [5, 9, 11, 13], 1500, rid="long")  # decodes through every wave below
         time.sleep(1.0)
+        wave("wave1")
+        generate("primer", [3, 9, 11, 13], 3)  # SGLang lets the first delay of a server's life pass
+        before = delayer_outcomes(url)
+        wave("wave2")
+        after_wave = delayer_outcomes(url)
         t0 = time.monotonic()
         generate("lone", [6, 9, 11, 13], 3)
         lone_s = time.monotonic() - t0
-        _, after_lone = post(url, "/kvstreams/pool_info", {})
-        generate("wave", [[7 + i, 9, 11, 13] for i in range(4)], 3)  # 4 >= 4 x 1 running: not held at all
-        _, after_wave = post(url, "/kvstreams/pool_info", {})
+        after_lone = delayer_outcomes(url)
+        wave("wave3")
+        t0 = time.monotonic()
         first_half = started("half1", [[12 + i, 9, 11, 13] for i in range(2)], 3)  # held: 2 < 4 ...
         time.sleep(0.3)
         generate("half2", [[14 + i, 9, 11, 13] for i in range(2)], 3)  # ... until these two arrive
         first_half.join(timeout=120)
-        _, after_halves = post(url, "/kvstreams/pool_info", {})
+        halves_s = time.monotonic() - t0
+        after_halves = delayer_outcomes(url)
         still_running = "long" not in results
         post(url, "/abort_request", {"rid": "long"})  # it has served its purpose: no need to decode to its end
         long.join(timeout=120)
         assert long.is_alive() is False
-    assert before["turn_batch_held_passes"] == 0
-    assert after_lone["turn_batch_held_passes"] > 0 and after_lone["turn_batch_released_timeout"] == 1, after_lone
-    assert after_lone["turn_batch_released_full"] == 0 and lone_s >= 1.5
-    counters = ("turn_batch_held_passes", "turn_batch_released_full", "turn_batch_released_timeout")
-    assert [after_wave[k] for k in counters] == [after_lone[k] for k in counters], json.dumps(after_wave)
-    assert after_halves["turn_batch_held_passes"] > after_wave["turn_batch_held_passes"]
-    assert after_halves["turn_batch_released_full"] == 1 and after_halves["turn_batch_released_timeout"] == 1
+    held = lambda o: o.get("delay", 0.0)  # noqa: E731
+    released = lambda o: o.get("wait_success", 0.0)  # noqa: E731 (SGLang's label for a queue-trigger release, by
+    # the queue filling or by the delay in ms; "wait_timeout" is its cap on held passes, set out of reach here)
+    assert held(after_wave) == held(before) and released(after_wave) == released(before), (before, after_wave)
+    assert held(after_lone) > held(after_wave) and released(after_lone) == released(after_wave) + 1, after_lone
+    assert lone_s >= 1.5, lone_s  # held until the delay ended
+    assert held(after_halves) > held(after_lone) and released(after_halves) == released(after_lone) + 1, after_halves
+    assert halves_s < 1.2, halves_s  # released when the second pair arrived (0.3 s), not by the delay (1.5 s)
+    assert all(o.get("wait_timeout", 0.0) == 0 for o in (after_lone, after_halves))
     assert still_running  # the waves above ran while it decoded
     status, out = results["long"]
     assert out["meta_info"]["finish_reason"]["type"] == "abort", out
-    assert results["lone"][0] == 200 and len(results["lone"][1]["output_ids"]) == 3
-    for name in ("wave", "half1", "half2"):
+    for name in ("primer", "lone"):
+        assert results[name][0] == 200 and len(results[name][1]["output_ids"]) == 3, results[name]
+    for name, n in (("wave1", 12), ("wave2", 12), ("wave3", 12), ("half1", 2), ("half2", 2)):
         status, outs = results[name]
-        assert status == 200 and [len(o["output_ids"]) for o in outs] == [3] * (4 if name == "wave" else 2), outs
+        assert status == 200 and [len(o["output_ids"]) for o in outs] == [3] * n, outs

@@ -5,7 +5,8 @@
 #   bash bench/device/rollout_check.sh quick   # stock bf16 and ours kv4rl, Sliding Window only
 #   bash bench/device/rollout_check.sh concentration  # waves vs refill, long-tailed episodes, one server
 # CONFIGS=a,b and STRATEGIES=x,y override a mode's lists; PREFILL_GRAPH=disabled runs every server's prefill eagerly;
-# TURN_BATCHING=0.25 (TURN_BATCH_MS=30) holds prefills back on every server (bench.rollout_sglang --turn-batching).
+# TURN_BATCHING=0.25 (TURN_BATCH_MS=30) holds prefills back on every server (bench.rollout_sglang --turn-batching:
+# SGLang's prefill delayer, stock and ours alike since 2026-12-05; ours ran its own copy of the rule before).
 # GAMES=long (LONG_TURNS=30,60): longer games than the recorded ones; KVSTREAMS_SYNC_REPORT=1: our servers log every
 # call stack that makes the scheduler wait for the GPU (kvstreams_sglang/sglang_ext/sync_report.py; in server_logs).
 # then, here: python -m bench.rollout_sglang merge stock.json ours.json --out bench/results/rollout_sglang_h200.json

@@ -13,8 +13,7 @@
   waiting queue (SGLang would leave the session busy for good); ``PrefillAdder.add_one_req`` holds
   a stream's first turn back while a sibling that computes the same shared prefix runs (in this
   batch, or in one whose result is not processed yet: overlap scheduling), so the prefix is computed
-  once; ``Scheduler._get_new_batch_prefill_raw`` holds a prefill back while ``turn_batching`` says so
-  (``--kv-streams-turn-batch-ratio``); the scheduler gets ``kvstreams_*`` RPC methods (open, evict,
+  once; the scheduler gets ``kvstreams_*`` RPC methods (open, evict,
   session info, pool info) whose arguments and results travel as JSON (``RPC_ARGS``: SGLang's RPC
   parameters are flat scalars).
 - kv4rl: the ``kv4rl`` attention backend is registered; ``KVCacheConfigurator`` builds
@@ -45,7 +44,6 @@ def install(server_args) -> None:
         _install_turn_guard()
         _install_abort_hook()
         _install_sibling_deferral()
-        _install_turn_batching()
         _install_rpc()
         _installed.add("streams")
     if getattr(server_args, "kv4rl", False) and "kv4rl" not in _installed:
@@ -239,34 +237,6 @@ def _install_sibling_deferral() -> None:
     Adder.add_one_req = add_one_req
 
 
-def _install_turn_batching() -> None:
-    from sglang.srt.managers.scheduler import Scheduler
-
-    original = Scheduler._get_new_batch_prefill_raw
-
-    def _get_new_batch_prefill_raw(self, prefill_delayer_single_pass, running_batch):
-        batcher = turn_batcher(self)
-        running = len(running_batch.reqs)
-        if batcher.hold(running=running, waiting=len(self.waiting_queue), chunked=self.chunked_req is not None,
-                        allocatable=self.get_num_allocatable_reqs(running)):
-            return None, running_batch
-        return original(self, prefill_delayer_single_pass, running_batch)
-
-    Scheduler._get_new_batch_prefill_raw = _get_new_batch_prefill_raw
-
-
-def turn_batcher(scheduler):
-    """The scheduler's ``TurnBatcher`` (made on first use from its server args)."""
-    batcher = getattr(scheduler, "_kvstreams_turn_batcher", None)
-    if batcher is None:
-        from .turn_batching import TurnBatcher
-
-        args = scheduler.server_args  # (KVStreamsServerArgs: installed only under --enable-kv-streams)
-        batcher = TurnBatcher(args.kv_streams_turn_batch_ratio, args.kv_streams_turn_batch_max_delay_ms)
-        scheduler._kvstreams_turn_batcher = batcher
-    return batcher
-
-
 def _install_rpc() -> None:
     from sglang.srt.managers import scheduler as scheduler_module
     from sglang.srt.managers.io_struct import RpcReqOutput
@@ -309,7 +279,6 @@ def _install_rpc() -> None:
         return dict(available_tokens=int(allocator.available_size()), total_tokens=int(allocator.size),
                     evictable_tokens=int(cache.evictable_size()), protected_tokens=int(cache.protected_size()),
                     open_streams=len(cache.streams), stream_tokens=cache.stream_tokens(), **cache.counters,
-                    **turn_batcher(self).counters,
                     pool=type(allocator.get_kvcache()).__name__, open_sessions=len(self.session_controller.sessions),
                     kv_bytes=int(sum(kv_bytes) if isinstance(kv_bytes, tuple) else kv_bytes),
                     cell_bytes=int(configurator._cell_size),

@@ -48,8 +48,6 @@ class KVStreamsServerArgs(ServerArgs):
     kv4rl_sink: int = 16
     kv4rl_recent: int = 128
     enable_kv_streams: bool = False
-    kv_streams_turn_batch_ratio: float = 0.0
-    kv_streams_turn_batch_max_delay_ms: float = 30.0
     hf_numerics: bool = False
     hf_numerics_parts: str = "all"
     kv4rl_batch_invariant: bool = False
@@ -71,13 +69,6 @@ class KVStreamsServerArgs(ServerArgs):
         if self.kv4rl_sink < 0 or self.kv4rl_recent < 0:
             raise ServerArgsError(f"--kv4rl-sink and --kv4rl-recent must be >= 0, got {self.kv4rl_sink}, "
                                   f"{self.kv4rl_recent}")
-        if self.kv_streams_turn_batch_ratio < 0 or self.kv_streams_turn_batch_max_delay_ms < 0:
-            raise ServerArgsError(f"--kv-streams-turn-batch-ratio and --kv-streams-turn-batch-max-delay-ms must be "
-                                  f">= 0, got {self.kv_streams_turn_batch_ratio}, "
-                                  f"{self.kv_streams_turn_batch_max_delay_ms}")
-        if self.kv_streams_turn_batch_ratio and not self.enable_kv_streams:
-            raise ServerArgsError("--kv-streams-turn-batch-ratio needs --enable-kv-streams (without it SGLang's own "
-                                  "--enable-prefill-delayer --prefill-delayer-queue-min-ratio does the same)")
         if self.kv4rl_batch_invariant and not self.kv4rl:
             raise ServerArgsError("--kv4rl-batch-invariant needs --kv4rl (its decode and extend plans; bf16 KV: "
                                   "SGLang's --enable-deterministic-inference)")
@@ -183,14 +174,10 @@ class KVStreamsServerArgs(ServerArgs):
         group.add_argument("--kv4rl-recent", type=int, default=128, help="most recent positions kept in INT8")
         group.add_argument("--enable-kv-streams", action="store_true",
                            help="KV streams: streaming sessions in the radix tree (a shared prefix, then a private "
-                                "branch) with in-place span eviction (POST /kvstreams/open, /kvstreams/evict)")
-        group.add_argument("--kv-streams-turn-batch-ratio", type=float, default=0.0,
-                           help="hold a prefill back (decode instead) while fewer than RATIO x running requests "
-                                "wait, so that agent turns share prefill steps (0: off; e.g. 0.25). The rule of "
-                                "SGLang's --enable-prefill-delayer --prefill-delayer-queue-min-ratio, which needs "
-                                "overlap scheduling; this one runs with --disable-overlap-schedule too")
-        group.add_argument("--kv-streams-turn-batch-max-delay-ms", type=float, default=30.0,
-                           help="turn batching: the longest a prefill is held back")
+                                "branch) with in-place span eviction (POST /kvstreams/open, /kvstreams/evict). "
+                                "Agent turns share prefill steps with SGLang's own --enable-prefill-delayer "
+                                "--prefill-delayer-queue-min-ratio R --prefill-delayer-max-delay-ms MS (overlap "
+                                "scheduling stays on)")
         group.add_argument("--hf-numerics", action="store_true",
                            help="Qwen3's norms, RoPE, activation and merged projections round as Hugging Face "
                                 "transformers rounds them in the model dtype (the built-in engine's and the trainer's "
