@@ -1037,14 +1037,14 @@ def test_prefill_delayer_batches_turns_on_a_kv_streams_server(tiny_model_path, t
     """Turn batching on a KV-streams server is SGLang's own prefill delayer (queue trigger), the rule stock SGLang
     runs in the rollout bench: ``--enable-kv-streams`` keeps overlap scheduling on, which the delayer needs. While
     one request decodes (ratio 4: hold while fewer than 4 x 1 running wait, and fewer than the largest recent
-    prefill batch), a lone request waits until the delay ends; two wait until two more arrive; a wave of 12 goes at
+    prefill batch), a lone request waits until the delay ends; two wait until two more arrive; a wave of 14 goes at
     once. Every request still gets its tokens; SGLang's outcome counters say which rule released each held
     prefill."""
     import threading
     import time
 
     flags = ("--enable-prefill-delayer", "--prefill-delayer-queue-min-ratio", "4", "--prefill-delayer-max-delay-ms",
-             "1500", "--prefill-delayer-max-delay-passes", "1000000", "--enable-metrics")
+             "2000", "--prefill-delayer-max-delay-passes", "1000000", "--enable-metrics")
     with kv4rl_server_process(tiny_model_path, tmp_path / "server.log", *flags) as url:
         results = {}
 
@@ -1057,8 +1057,9 @@ def test_prefill_delayer_batches_turns_on_a_kv_streams_server(tiny_model_path, t
             t.start()
             return t
 
-        def wave(name):  # 12 >= 4 x 1 running: never held; it sets SGLang's recent largest prefill batch to 12
-            generate(name, [[40 + i, 9, 11, 13] for i in range(12)], 3)
+        def wave(name):  # 14 >= 4 x 1 running: never held. It sets SGLang's largest recent prefill batch to 14,
+            # which bounds the queue trigger (min(4 x running, that)) and decays by 0.998 a pass: > 2 for ~900 passes
+            generate(name, [[40 + i, 9, 11, 13] for i in range(14)], 3)
 
         long = started("long", [5, 9, 11, 13], 1500, rid="long")  # decodes through every wave below
         time.sleep(1.0)
@@ -1088,15 +1089,15 @@ def test_prefill_delayer_batches_turns_on_a_kv_streams_server(tiny_model_path, t
     # the queue filling or by the delay in ms; "wait_timeout" is its cap on held passes, set out of reach here)
     assert held(after_wave) == held(before) and released(after_wave) == released(before), (before, after_wave)
     assert held(after_lone) > held(after_wave) and released(after_lone) == released(after_wave) + 1, after_lone
-    assert lone_s >= 1.5, lone_s  # held until the delay ended
+    assert lone_s >= 2.0, lone_s  # held until the delay ended
     assert held(after_halves) > held(after_lone) and released(after_halves) == released(after_lone) + 1, after_halves
-    assert halves_s < 1.2, halves_s  # released when the second pair arrived (0.3 s), not by the delay (1.5 s)
+    assert halves_s < 1.6, halves_s  # released when the second pair arrived (0.3 s), not by the delay (2 s)
     assert all(o.get("wait_timeout", 0.0) == 0 for o in (after_lone, after_halves))
     assert still_running  # the waves above ran while it decoded
     status, out = results["long"]
     assert out["meta_info"]["finish_reason"]["type"] == "abort", out
     for name in ("primer", "lone"):
         assert results[name][0] == 200 and len(results[name][1]["output_ids"]) == 3, results[name]
-    for name, n in (("wave1", 12), ("wave2", 12), ("wave3", 12), ("half1", 2), ("half2", 2)):
+    for name, n in (("wave1", 14), ("wave2", 14), ("wave3", 14), ("half1", 2), ("half2", 2)):
         status, outs = results[name]
         assert status == 200 and [len(o["output_ids"]) for o in outs] == [3] * n, outs
