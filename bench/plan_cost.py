@@ -3,7 +3,9 @@
 Why: the backend plans every step's INT4 / INT8 lists on the host before its launch (``KV4RLAttnBackend
 ._region_lists``); the scheduler cannot hide what that costs past a step's length. Side by side, in one process:
 ``torch`` is ``regions.row_region_lists`` (gather the rows, then ``region_lists``: ~75 ops), ``kernel`` is
-``kernels.region_plan`` (two launches and a cumsum). Rows are compacted streams (evicted positions missing),
+``kernels.region_plan`` (two launches and a cumsum), ``graph`` (CUDA) the kernels into static buffers captured
+in a CUDA graph and replayed, as the backend's decode planning runs per batch size (``DecodePlanGraph``, which
+captures the side slots and slot positions with them). Rows are compacted streams (evicted positions missing),
 ``capacity`` given as under CUDA graphs (no host sync). Host time: the call alone (launches queue); device time:
 CUDA events around it.
 
@@ -53,6 +55,34 @@ def plan_kernel(rows, lengths, ends, req_to_token, slot_positions, width, *, sin
                                 capacity=capacity)
 
 
+def captured_kernel_plan(args, kw):
+    """``plan_kernel`` into static buffers, captured in a CUDA graph: (a replay function, the lists it writes)."""
+    from kvstreams_sglang.kernels.region_plan import planned_region_lists
+
+    rows, lengths, ends, req_to_token, slot_positions, _ = args
+    b, dev = rows.numel(), rows.device
+    out = tuple(torch.zeros(n, dtype=torch.int32, device=dev)
+                for n in (b + 1, kw["capacity"], b + 1, b * (kw["sink"] + kw["recent"])))
+
+    def run():
+        planned_region_lists(rows, lengths, ends, req_to_token, slot_positions, sink=kw["sink"], recent=kw["recent"],
+                             out=out)
+
+    run()  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    lists = dict(zip(("kv_indptr", "kv_indices", "side_indptr", "side_indices"), out, strict=True))
+    return (lambda *_, **__: graph.replay()), lists
+
+
+def same_lists(want: dict, got: dict) -> bool:
+    return all(torch.equal(want[k], got[k]) for k in ("kv_indptr", "side_indptr")) and all(
+        torch.equal(want[f"{r}_indices"][: int(want[f"{r}_indptr"][-1])],
+                    got[f"{r}_indices"][: int(want[f"{r}_indptr"][-1])]) for r in ("kv", "side"))
+
+
 def time_planner(fn, args, kw, iters: int, cuda: bool) -> dict:
     for _ in range(3):  # warm-up (Triton compiles on its first call)
         fn(*args, **kw)
@@ -93,19 +123,24 @@ def main(argv=None) -> dict:
         for n in (int(x) for x in a.lengths.split(",")):
             rows, lengths, ends, r2t, sp, width = rows_table(b, n, device=device)
             args, kw = (rows, lengths, ends, r2t, sp, width), dict(sink=a.sink, recent=a.recent, capacity=b * n)
-            want, got = plan_torch(*args, **kw), plan_kernel(*args, **kw)
-            same = all(torch.equal(want[k], got[k]) for k in ("kv_indptr", "side_indptr")) and all(
-                torch.equal(want[f"{r}_indices"][: int(want[f"{r}_indptr"][-1])],
-                            got[f"{r}_indices"][: int(want[f"{r}_indptr"][-1])]) for r in ("kv", "side"))
+            want = plan_torch(*args, **kw)
+            same = same_lists(want, plan_kernel(*args, **kw))
             row = dict(batch=b, length=n, same_lists=same,
                        torch=time_planner(plan_torch, args, kw, a.iters, cuda),
                        kernel=time_planner(plan_kernel, args, kw, a.iters, cuda))
             row["host_speedup"] = row["torch"]["host_ms"] / row["kernel"]["host_ms"]
+            if cuda:
+                replay, lists = captured_kernel_plan(args, kw)
+                row["graph"] = time_planner(replay, args, kw, a.iters, cuda)
+                torch.cuda.synchronize()
+                row["graph_same_lists"] = same_lists(want, lists)
+                row["graph_host_speedup"] = row["torch"]["host_ms"] / row["graph"]["host_ms"]
             rows_out.append(row)
             print(f"B={b:>4} L={n:>5}: torch host {row['torch']['host_ms']:.3f} ms "
                   f"(device {row['torch'].get('device_ms', float('nan')):.3f}), kernel host "
                   f"{row['kernel']['host_ms']:.3f} ms (device {row['kernel'].get('device_ms', float('nan')):.3f}), "
-                  f"same lists {same}", flush=True)
+                  + (f"graph host {row['graph']['host_ms']:.3f} ms, " if "graph" in row else "")
+                  + f"same lists {same}", flush=True)
     result = dict(command="python -m bench.plan_cost " + " ".join(argv if argv is not None else []),
                   device=torch.cuda.get_device_name() if cuda else "cpu (Triton interpreter)",
                   torch=torch.__version__, rows=rows_out)

@@ -397,7 +397,10 @@ def main(out: str, device: torch.device) -> None:
     eager, graph = prefilled_copies(device, gen)
     dtype = eager.dtype
     runner = GraphRunner(graph, capture=device.type == "cuda")
-    res = {"fill": runner.fill, "row_lengths": dict(eager.length), "steps": []}
+    # the batch sizes whose planning ran as a DecodePlanGraph (captured on CUDA; KVSTREAMS_PLAN_GRAPH=0: none)
+    plans = graph.backend.plan_graphs
+    res = {"fill": runner.fill, "row_lengths": dict(eager.length), "steps": [], "plan_graphs": sorted(plans),
+           "plan_graphs_captured": sorted(bs for bs, pg in plans.items() if pg.graph is not None)}
     garbage = torch.Generator().manual_seed(1)
     for i, rows in enumerate(STEPS):
         if i in TURN_BEFORE:
@@ -418,6 +421,9 @@ def main(out: str, device: torch.device) -> None:
             kernels.append(ws.last_kernel if ws is not None else None)
         bs, _ = runner.load(inputs, qkv, garbage)
         step = dict(rows=rows, bs=bs, lengths=inputs["seq_lens"].tolist(), positions=inputs["positions"].tolist())
+        lists = graph.backend.forward_metadata.kv4  # the padding rows' lists: empty (they read nothing)
+        step["padding_lists_empty"] = all(bool((lists[k][len(rows):bs + 1] == lists[k][len(rows)]).all())
+                                          for k in ("kv_indptr", "side_indptr"))
         compare(step, runner, bs, len(rows), ref, eager, graph)
         if runner.capture:  # which decode kernel each path ran (the CUDA kernel where it takes the shapes): the
             # eager path's per layer, the graph's last captured layer

@@ -32,22 +32,36 @@ def table(lengths: list[int], *, width: int, seed: int, device):
 
 
 @pytest.mark.parametrize("sink,recent", [(16, 128), (4, 16), (0, 8), (4, 0), (0, 0)])
-@pytest.mark.parametrize("capacity", [False, True], ids=["exact", "capacity"])
+@pytest.mark.parametrize("capacity", [False, True, "out"], ids=["exact", "capacity", "out"])
 def test_planned_lists_equal_the_torch_rule(sink, recent, capacity, device):
+    """``out``: planned into static buffers of a larger batch (a CUDA graph's, stale entries in them), as the
+    backend's captured decode planning does."""
     lengths = [0, 1, 5, 300, 17, 0, 700, 140, 145, 260]  # blocks of 256: one, two and three walks
     width = 720
     rows, lens, ends, req_to_token, slot_positions = table(lengths, width=width, seed=sink + 3 * recent,
                                                             device=device)
-    cap = int(sum(lengths)) + 5 if capacity else None
+    cap = int(sum(lengths)) + 5 if capacity is True else None
     want = row_region_lists(rows.long(), lens, ends.long(), req_to_token, slot_positions, width=width, sink=sink,
                             recent=recent, capacity=cap)
+    out = None
+    if capacity == "out":
+        b, big = len(lengths), 2 * len(lengths)
+        buffers = [torch.full((n,), 99, dtype=torch.int32, device=device)
+                   for n in (big + 1, big * width, big + 1, big * (sink + recent) + 1)]
+        out = (buffers[0][:b + 1], buffers[1], buffers[2][:b + 1], buffers[3])
     got = planned_region_lists(rows, lens, ends, req_to_token, slot_positions, sink=sink, recent=recent,
-                               capacity=cap)
+                               capacity=cap, out=out)
+    if out is not None:
+        assert all(got[k] is o for k, o in zip(("kv_indptr", "kv_indices", "side_indptr", "side_indices"), out,
+                                               strict=True))
+        assert int(buffers[0][b + 1]) == 99  # nothing written past the batch's indptr
     for region in ("kv", "side"):
         ptr = want[f"{region}_indptr"]
         assert torch.equal(got[f"{region}_indptr"], ptr), region
         n = int(ptr[-1])
-        assert got[f"{region}_indices"].numel() == want[f"{region}_indices"].numel() >= n
+        if out is None:
+            assert got[f"{region}_indices"].numel() == want[f"{region}_indices"].numel()
+        assert got[f"{region}_indices"].numel() >= n
         assert torch.equal(got[f"{region}_indices"][:n], want[f"{region}_indices"][:n]), region
     assert int(want["kv_indptr"][-1]) > 0 and (not sink + recent or int(want["side_indptr"][-1]) > 0)
 

@@ -408,20 +408,24 @@ print("ok", a.attention_backend, a.page_size, a.disable_radix_cache, a.enable_st
     assert "--kv4rl-batch-invariant needs --kv4rl" in out
 
 
-def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("plan_graph", ["1", "0"])
+def test_graph_decode_steps_equal_eager_bit_for_bit(tmp_path, plan_graph):
     """The kv4rl backend's CUDA-graph hooks, called as SGLang's decode graph runner calls them (plan on a dummy
     capture batch; before each replay, the padded view: padding rows at req_pool_idx 0, seq_len = the fill value,
     position 0, out_cache_loc unpadded), compute every decode step bit for bit as the eager path: the same outputs on
     the real rows, the same KV bytes and slot positions wherever a real request can read (a compacted row and an eager
-    extend between steps included); padding rows write only the padding slot, never an INT8 side entry."""
-    res = graph_steps.run(tmp_path / "steps.json", "cpu", sglang_env())
+    extend between steps included); padding rows write only the padding slot, never an INT8 side entry. Both ways of
+    planning a graph step: the planning as one function of the runner's static inputs per batch size
+    (``DecodePlanGraph``, captured on CUDA), and op by op from the view (``KVSTREAMS_PLAN_GRAPH=0``)."""
+    res = graph_steps.run(tmp_path / "steps.json", "cpu", dict(sglang_env(), KVSTREAMS_PLAN_GRAPH=plan_graph))
+    assert res["plan_graphs"] == (sorted(graph_steps.CAPTURE_BS) if plan_graph == "1" else [])
     steps = res["steps"]
     assert res["fill"] == 1
     assert {s["bs"] > len(s["rows"]) for s in steps} == {True, False}  # padded and exact batches
     assert max(s["lengths"][s["rows"].index(3)] for s in steps if 3 in s["rows"]) > 16 + 4  # an INT4 region
     for s in steps:
         assert s["bitwise"] and s["max_diff"] == 0.0 and s["replay_equals_hooks"], s
-        assert s["caches_equal"] and s["row0_side_untouched"], s
+        assert s["caches_equal"] and s["row0_side_untouched"] and s["padding_lists_empty"], s
 
 
 def test_graph_prefill_steps_equal_eager_bit_for_bit(tmp_path):

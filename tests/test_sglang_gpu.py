@@ -77,9 +77,11 @@ def test_sglang_gpu_graph_steps_match_eager(graph_steps_result):
     steps = graph_steps_result["steps"]
     for s in steps:
         assert s["replay_equals_hooks"], s
-        assert s["caches_equal"] and s["row0_side_untouched"], s
+        assert s["caches_equal"] and s["row0_side_untouched"] and s["padding_lists_empty"], s
         assert s["max_diff"] <= 3e-2 and s["mean_diff"] <= 1e-3, s
     assert {s["bs"] > len(s["rows"]) for s in steps} == {True, False}
+    # each batch size's planning captured in a graph of its own (DecodePlanGraph), replayed before the step's
+    assert graph_steps_result["plan_graphs_captured"] == sorted(graph_steps.CAPTURE_BS), graph_steps_result
 
 
 def test_sglang_gpu_prefill_graph_steps_match_eager(tmp_path):

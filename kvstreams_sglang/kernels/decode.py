@@ -477,9 +477,23 @@ class KV4DecodeWorkspace:
                 dst[rows + 1: bs + 1].copy_(src[rows:].expand(bs - rows))
         s_indices[: kv_indices.numel()].copy_(kv_indices)
         s_side_indices[: side_indices.numel()].copy_(side_indices)
-        plan = plan_decode(s_indptr[: bs + 1], s_indices, s_side_indptr[: bs + 1], s_side_indices,
-                           num_kv_heads=self.num_kv_heads, max_context=self.max_context, num_splits=num_splits,
-                           cuda_splits=cuda_splits, triton_variant=self.triton_variant, cuda_variant=self.cuda_variant,
+        return self.static_plan(bs, num_splits, cuda_splits)
+
+    def static_lists(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The static buffers a graph plan of ``batch_size`` requests reads (kv_indptr [bs + 1], kv_indices,
+        side_indptr [bs + 1], side_indices), for a planner that writes them in place (``region_plan``'s ``out``)."""
+        if self._static is None:
+            raise ValueError("KV4DecodeWorkspace: static lists need max_context")
+        s_indptr, s_indices, s_side_indptr, s_side_indices = self._static
+        return s_indptr[: batch_size + 1], s_indices, s_side_indptr[: batch_size + 1], s_side_indices
+
+    def static_plan(self, batch_size: int, num_splits: int | None = None,
+                    cuda_splits: int | None = None) -> DecodePlan:
+        """The graph plan of ``batch_size`` requests over the static lists as they stand: a function of the batch
+        size alone (split counts from it and ``max_context``, split sizes per request on the device)."""
+        plan = plan_decode(*self.static_lists(batch_size), num_kv_heads=self.num_kv_heads,
+                           max_context=self.max_context, num_splits=num_splits, cuda_splits=cuda_splits,
+                           triton_variant=self.triton_variant, cuda_variant=self.cuda_variant,
                            invariant=self.invariant)
         return dataclasses.replace(plan, graph=True)
 

@@ -74,12 +74,15 @@ def _write_kernel(rows, lengths, ends, req_to_token, stride_row, slot_positions,
 
 
 def planned_region_lists(rows: torch.Tensor, lengths: torch.Tensor, ends: torch.Tensor, req_to_token: torch.Tensor,
-                         slot_positions: torch.Tensor, *, sink: int, recent: int,
-                         capacity: int | None = None) -> dict[str, torch.Tensor]:
+                         slot_positions: torch.Tensor, *, sink: int, recent: int, capacity: int | None = None,
+                         out: tuple[torch.Tensor, ...] | None = None) -> dict[str, torch.Tensor]:
     """``region_lists(rows, req_to_token[rows, :W], slot_positions[...], col < lengths[:, None], ends, ...)`` for
     any ``W >= lengths.max()``, in two launches. ``capacity``: a host bound of ``lengths.sum()`` (the lists are
     that long, entries past their ``indptr[-1]`` unspecified; the side list ``min(capacity, B * (sink +
-    recent))``); None: the exact lengths, read with one host sync."""
+    recent))``); None: the exact lengths, read with one host sync. ``out``: (kv_indptr [B + 1], kv_indices,
+    side_indptr [B + 1], side_indices) to write instead, the index lists long enough for ``lengths.sum()`` and
+    ``B * (sink + recent)`` entries (a CUDA graph's static buffers: no host sync, no allocation that depends on
+    the batch's contents)."""
     if req_to_token.stride(1) != 1:
         raise ValueError("planned_region_lists: req_to_token rows must be contiguous")
     dev = req_to_token.device
@@ -90,15 +93,21 @@ def planned_region_lists(rows: torch.Tensor, lengths: torch.Tensor, ends: torch.
         _count_kernel[(b,)](rows, lengths, ends, req_to_token, req_to_token.stride(0), slot_positions, counts, b,
                             sink, recent, BLOCK=BLOCK)
         torch.cumsum(counts.view(2, b), 1, dtype=torch.int32, out=indptr[:, 1:])
-    if capacity is None:
-        n4, n8 = (int(x) for x in indptr[:, -1].tolist())
+    if out is not None:
+        kv_indptr, kv_indices, side_indptr, side_indices = out
+        kv_indptr.copy_(indptr[0])
+        side_indptr.copy_(indptr[1])
     else:
-        n4, n8 = capacity, min(capacity, b * (sink + recent))
-    kv_indices = torch.zeros(n4, dtype=torch.int32, device=dev)
-    side_indices = torch.zeros(n8, dtype=torch.int32, device=dev)
+        if capacity is None:
+            n4, n8 = (int(x) for x in indptr[:, -1].tolist())
+        else:
+            n4, n8 = capacity, min(capacity, b * (sink + recent))
+        kv_indptr, side_indptr = indptr[0], indptr[1]
+        kv_indices = torch.zeros(n4, dtype=torch.int32, device=dev)
+        side_indices = torch.zeros(n8, dtype=torch.int32, device=dev)
     if b:
         ring = max(ring_size(recent), 1)  # (no recent window: only sinks are protected, the ring is never read)
         _write_kernel[(b,)](rows, lengths, ends, req_to_token, req_to_token.stride(0), slot_positions, indptr[0],
                             indptr[1], kv_indices, side_indices, sink, recent, ring, side_width(sink, recent),
                             BLOCK=BLOCK)
-    return dict(kv_indptr=indptr[0], kv_indices=kv_indices, side_indptr=indptr[1], side_indices=side_indices)
+    return dict(kv_indptr=kv_indptr, kv_indices=kv_indices, side_indptr=side_indptr, side_indices=side_indices)

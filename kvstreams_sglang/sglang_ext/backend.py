@@ -10,8 +10,13 @@ backend writes the KV itself (quantise + scatter), so ``save_kv_cache=False`` is
 CUDA graphs (SGLang 0.5.17's contract): decode steps are captured. ``init_cuda_graph_state``
 allocates what a captured step reads (``GraphBuffers``); ``init_forward_metadata_out_graph`` runs
 eagerly before the capture and before every replay, plans the step exactly as the eager path
-does (same lists, same ``slot_positions`` write) and copies the result into those buffers; the
-captured launches read only them, so ``init_forward_metadata_in_graph`` has nothing to record.
+does (same lists, same ``slot_positions`` write) into those buffers; the captured launches read
+only them, so ``init_forward_metadata_in_graph`` has nothing to record. The planning itself is
+captured too (``DecodePlanGraph``, one small graph per batch size over the runner's static inputs,
+replayed in ``init_forward_metadata_out_graph``): a step's host work is then three launches, not
+~30 (``KVSTREAMS_PLAN_GRAPH=0``: planned op by op). It stays out of the step's graph on purpose:
+SGLang records the decode step's "reads done" event before the replay and lets the next batch's
+``req_to_token`` writes run from there, so whatever reads the row table must run before it.
 The graph runner pads a batch to a captured size with rows of ``req_pool_idx`` 0, ``seq_len``
 1 (our fill value) and position 0; those rows get empty lists (their output is 0 and
 discarded), write their new token's INT4 codes to the padding slot 0 and no INT8 copy, so they
@@ -39,6 +44,7 @@ from .pool import KV4TokenToKVPool
 
 BACKEND_NAME = "kv4rl"
 GRAPH_SEQ_LEN_FILL = 1  # a padded graph row's seq_len: the shortest a row can be, so it widens no gather
+PADDING_ROW = 0  # SGLang's reserved req_to_token row: a graph batch's padding rows, never a request's
 
 
 @dataclass
@@ -85,6 +91,30 @@ class GraphBuffers:
     @property
     def max_bs(self) -> int:
         return self.out_slots.numel()
+
+
+@dataclass
+class DecodePlanGraph:
+    """One captured batch size's decode planning over the graph runner's static inputs (``req_pool_indices``,
+    ``seq_lens``, ``positions``, padded as SGLang pads them) and ``GraphBuffers.out_slots``, writing the graph buffers
+    in place: captured in a CUDA graph of its own (on CUDA) or run as is (elsewhere). Its plan and metadata are the
+    same at every replay (they point at the static buffers), so they are built once."""
+
+    inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the runner's req_pool_indices, seq_lens, positions
+    run: object  # () -> None: the planning ops
+    metadata: KV4StepMetadata
+    graph: object | None = None  # torch.cuda.CUDAGraph
+
+    def reads(self, fb) -> bool:
+        """Whether ``fb`` (a replay's view) holds its inputs in the buffers this plan was captured over."""
+        return all(t is not None and t.data_ptr() == s.data_ptr() and t.numel() >= s.numel()
+                   for t, s in zip((fb.req_pool_indices, fb.seq_lens, fb.positions), self.inputs, strict=True))
+
+    def replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.run()
 
 
 @dataclass
@@ -158,6 +188,10 @@ class KV4RLAttnBackend(AttentionBackend):
         # same lists; the host's planning time per step is what the scheduler cannot hide.
         # KVSTREAMS_PLAN_KERNEL=0 plans with the torch rule (an A/B switch for the benches)
         self.plan_kernel = self.use_triton and os.environ.get("KVSTREAMS_PLAN_KERNEL", "1") != "0"
+        # decode planning captured per batch size (DecodePlanGraph); KVSTREAMS_PLAN_GRAPH=0 plans op by op
+        self.plan_graph_env = os.environ.get("KVSTREAMS_PLAN_GRAPH", "1") != "0"
+        self.plan_graphs: dict[int, DecodePlanGraph] = {}
+        self.plan_graph_pool = None  # one memory pool for all of them (they never replay at once)
         # --kv4rl-batch-invariant: plans that do not depend on the batch (``kernels.decode.plan_decode``)
         self.invariant = bool(getattr(getattr(model_runner, "server_args", None), "kv4rl_batch_invariant", False))
         self.num_q_heads = model_runner.model_config.num_attention_heads // get_parallel().attn_tp_size
@@ -226,27 +260,39 @@ class KV4RLAttnBackend(AttentionBackend):
         kv4 = self._region_lists(rows, prefix, first_new, width, capacity=total)
         return qo, side_slots, kv4
 
-    def _decode_lists(self, rows, seq_lens, positions, out_slots, width: int, total: int | None = None):
+    def _decode_lists(self, rows, seq_lens, positions, out_slots, width: int, total: int | None = None, *,
+                      padded: bool = False, out: tuple[torch.Tensor, ...] | None = None):
         """One decode step's plan, shared by the eager and the graph path: the new tokens' logical
         positions go into ``slot_positions``, then each request's row (``seq_lens``, new token
         included, the widest ``width``) is split into the region lists; the new token is stored
         first and attends to itself. ``total``: a host bound of ``seq_lens.sum()`` for lists built
-        without a host sync (the graph path). Returns (the new tokens' side slots, the lists)."""
+        without a host sync (the graph path). ``padded``: rows at ``PADDING_ROW`` are a graph batch's
+        padding (empty lists, no INT8 copy; their token goes to the padding slot ``out_slots`` holds);
+        ``out``: the lists' static buffers (``planned_region_lists``). Returns (the new tokens' side
+        slots, the lists)."""
         sink, recent = self.pool.sink, self.pool.recent
         rows, seq_lens, p_new = rows.long(), seq_lens.long(), positions.long()
         self.pool.slot_positions[out_slots] = p_new.to(torch.int32)
         end = p_new + 1
         side_slots = new_side_slots(rows, p_new, end, sink=sink, recent=recent)
-        kv4 = self._region_lists(rows, seq_lens, end, width, capacity=total)
+        if padded:
+            real = rows != PADDING_ROW
+            side_slots = torch.where(real, side_slots, -1)
+            seq_lens = torch.where(real, seq_lens, 0)
+        kv4 = self._region_lists(rows, seq_lens, end, width, capacity=total, out=out)
         return side_slots, kv4
 
-    def _region_lists(self, rows, lengths, ends, width: int, *, capacity: int | None) -> dict[str, torch.Tensor]:
+    def _region_lists(self, rows, lengths, ends, width: int, *, capacity: int | None,
+                      out: tuple[torch.Tensor, ...] | None = None) -> dict[str, torch.Tensor]:
         """The region lists of requests holding the first ``lengths`` slots of their ``rows`` (at most ``width``),
-        whose next positions are ``ends``: ``kernels.region_plan`` (``plan_kernel``) or the torch rule."""
+        whose next positions are ``ends``: ``kernels.region_plan`` (``plan_kernel``; into ``out`` if given) or the
+        torch rule."""
         sink, recent = self.pool.sink, self.pool.recent
         if self.plan_kernel:
             return planned_region_lists(rows, lengths, ends, self.req_to_token, self.pool.slot_positions, sink=sink,
-                                        recent=recent, capacity=capacity)
+                                        recent=recent, capacity=capacity, out=out)
+        if out is not None:
+            raise ValueError("kv4rl: lists planned into static buffers need the planner kernels")
         return row_region_lists(rows, lengths, ends, self.req_to_token, self.pool.slot_positions, width=width,
                                 sink=sink, recent=recent, capacity=capacity)
 
@@ -294,6 +340,16 @@ class KV4RLAttnBackend(AttentionBackend):
         real = 0 if in_capture else fb.out_cache_loc.numel()
         if not real <= bs <= g.max_bs:
             raise ValueError(f"kv4rl: {real} requests in a graph batch of {bs} (captured up to {g.max_bs})")
+        if self.plan_graph_env and self.plan_kernel:
+            if in_capture:
+                self._capture_decode_plan(fb, bs)
+            pg = self.plan_graphs.get(bs)
+            if pg is not None and pg.reads(fb):  # three launches: the real rows' slots, the padding's, the plan
+                g.out_slots[:real].copy_(fb.out_cache_loc[:real])
+                g.out_slots[real:bs].zero_()
+                pg.replay()
+                self.forward_metadata = pg.metadata
+                return
         out_slots = fb.out_cache_loc[:real].long()
         side_slots, kv4 = self._decode_lists(fb.req_pool_indices[:real], fb.seq_lens[:real], fb.positions[:real],
                                              out_slots, *self._host_sizes(fb, real))
@@ -306,6 +362,43 @@ class KV4RLAttnBackend(AttentionBackend):
                      side_indices=plan.side_indices)
         self.forward_metadata = KV4StepMetadata("decode", g.qo_indptr[: bs + 1], g.out_slots[:bs],
                                                 g.side_slots[:bs], lists, plan)
+
+    def _capture_decode_plan(self, fb, bs: int) -> None:
+        """Before SGLang captures batch size ``bs``: its planning (``_decode_lists`` over the runner's static inputs,
+        padding rows told by ``PADDING_ROW``, written into the graph buffers) as a ``DecodePlanGraph``: run once
+        eagerly (the planner kernels compile; the capture's dummy batch, all padding, is planned), then captured on
+        CUDA."""
+        g = self.graph
+        inputs = (fb.req_pool_indices[:bs], fb.seq_lens[:bs], fb.positions[:bs])
+        if bool((inputs[0] != PADDING_ROW).any()):
+            raise RuntimeError(f"kv4rl: SGLang's capture batch of {bs} holds request rows other than the padding row "
+                               f"{PADDING_ROW}; its planning would write their KV (KVSTREAMS_PLAN_GRAPH=0 plans the "
+                               "capture as all padding)")
+        out_slots, side_slots, lists = g.out_slots[:bs], g.side_slots[:bs], g.workspace.static_lists(bs)
+        width = min(self.req_to_token.shape[1], self.pool.size)
+
+        def run():
+            side, _ = self._decode_lists(*inputs, out_slots, width, padded=True, out=lists)
+            side_slots.copy_(side)
+
+        plan = g.workspace.static_plan(bs)
+        metadata = KV4StepMetadata("decode", g.qo_indptr[: bs + 1], out_slots, side_slots,
+                                   dict(kv_indptr=plan.kv_indptr, kv_indices=plan.kv_indices,
+                                        side_indptr=plan.side_indptr, side_indices=plan.side_indices), plan)
+        out_slots.zero_()
+        run()
+        graph = None
+        if self.device.type == "cuda":
+            graph = torch.cuda.CUDAGraph()
+            if self.plan_graph_pool is None:
+                self.plan_graph_pool = torch.cuda.graph_pool_handle()
+            try:
+                with torch.cuda.graph(graph, pool=self.plan_graph_pool):
+                    run()
+            except Exception as e:
+                raise RuntimeError(f"kv4rl: capturing the decode planning of batch size {bs} failed ({e}); "
+                                   "KVSTREAMS_PLAN_GRAPH=0 plans every step op by op instead") from e
+        self.plan_graphs[bs] = DecodePlanGraph(inputs, run, metadata, graph)
 
     def _extend_out_graph(self, fb, in_capture: bool) -> None:
         """SGLang's "full" prefill graphs: before a capture (the runner's dummy batch) and before every replay (the
