@@ -278,6 +278,37 @@ def cpu_servers(tiny_model_path, tmp_path_factory):
 
 
 @pytestmark_sglang
+@pytest.mark.parametrize("strategy", ["summary", "markovian_thinker"])
+def test_every_strategy_replays_on_both_cpu_servers(cpu_servers, strategy):
+    """The bench's other strategies (its device runs measure Sliding Window first) through the bench's own clients
+    and compaction settings: Summary (the model writes the summary turn, then the window restarts from it) and
+    Markovian Thinker, on stock re-prefilling and on ours evicting in place. Every episode plays all its recorded
+    turns and compacts; ours recomputes no kept token and loses none, stock recomputes kept tokens."""
+    from bench.replay import episode_config
+    from bench.rollout_sglang import SETUPS, compaction, make_client
+
+    a, servers = cpu_servers
+    specs = [EpisodeSpec(110, tuple((5, 30) for _ in range(11)) + ((6, 0),)),
+             EpisodeSpec(100, tuple((4, 35) for _ in range(8)) + ((5, 0),))]
+    renderer = renderer_of(a.model)
+    stats = {}
+    for name in ("stock_bf16", "streams_bf16"):
+        setup = SETUPS[name]
+        comp = compaction(strategy, setup.execution, a)
+        reserved = episode_peaks(specs, renderer, comp)
+        client = make_client(setup, servers[name].url)
+        done = asyncio.run(run_replay(client, enumerate(specs), Replay(renderer, comp, episode_config(), seed=0),
+                                      Gate(2048, 2), reservations=dict(enumerate(reserved))))
+        for spec, fin in zip(specs, done, strict=True):
+            ep = fin.episode
+            assert not fin.truncated and ep.finish_reason == "done" and ep.stats.turns == len(spec.turns), name
+            assert ep.stats.compactions > 0 and ep.stats.peak_live_tokens <= fin.reserved, name
+        stats[name] = (sum(f.episode.stats.tokens_reprefilled for f in done), dict(client.stats))
+    assert stats["streams_bf16"][0] == 0 and stats["streams_bf16"][1]["cached_tokens_lost"] == 0, stats
+    assert stats["stock_bf16"][0] > 0, stats
+
+
+@pytestmark_sglang
 def test_plain_client_reprefills_the_kept_tokens_after_a_compaction(cpu_servers):
     from kvstreams_sglang.engine import SamplingParams
     from kvstreams_sglang.sglang_ext.plain_client import PlainClient
