@@ -13,9 +13,9 @@
   waiting queue (SGLang would leave the session busy for good); ``PrefillAdder.add_one_req`` holds
   a stream's first turn back while a sibling that computes the same shared prefix runs (in this
   batch, or in one whose result is not processed yet: overlap scheduling), so the prefix is computed
-  once; the scheduler gets ``kvstreams_*`` RPC methods (open, evict,
-  session info, pool info) whose arguments and results travel as JSON (``RPC_ARGS``: SGLang's RPC
-  parameters are flat scalars).
+  once; the scheduler gets ``kvstreams_*`` RPC methods (open, evict, session info, pool info) whose
+  arguments and results travel as JSON (``RPC_ARGS``: SGLang's RPC parameters are flat scalars).
+  (Turn batching is SGLang's own ``--enable-prefill-delayer``: KV streams keep overlap scheduling.)
 - kv4rl: the ``kv4rl`` attention backend is registered; ``KVCacheConfigurator`` builds
   ``KV4TokenToKVPool`` where it would build ``MHATokenToKVPool``; capacity profiling uses the
   KV4 bytes per token (``DefaultPoolConfigurator``'s cell size) and sets the INT8 side cache
