@@ -29,6 +29,7 @@ captured layers read only those (every kernel grid fixed by the token bucket).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +102,9 @@ class DecodePlanGraph:
     same at every replay (they point at the static buffers), so they are built once."""
 
     inputs: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # the runner's req_pool_indices, seq_lens, positions
-    run: object  # () -> None: the planning ops
+    run: Callable[[], None]  # the planning ops
     metadata: KV4StepMetadata
-    graph: object | None = None  # torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | None = None
 
     def reads(self, fb) -> bool:
         """Whether ``fb`` (a replay's view) holds its inputs in the buffers this plan was captured over."""
