@@ -900,7 +900,8 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
             metrics = server.metrics()
             result["servers"][setup.name] = dict(
                 label=setup.label, module=server.config.module, flags=[*server.config.flags, *server.flags],
-                start_s=start_s, pool_tokens=pool_tokens, max_running_requests=rows, admission_max_batch=max_batch,
+                kvstreams_env=server.kvstreams_env(), start_s=start_s, pool_tokens=pool_tokens,
+                max_running_requests=rows, admission_max_batch=max_batch,
                 kv_pool_gib=metric_total(metrics, "sglang:kv_cache_memory_usage_gb"),
                 weights_gib=metric_total(metrics, "sglang:weight_memory_usage_gb"))
             print(f"{setup.name}: up in {start_s:.0f}s, KV pool {pool_tokens} tokens, {rows} request rows",

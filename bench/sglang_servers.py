@@ -175,6 +175,12 @@ class Server:
     flags: list[str] = field(default_factory=list)  # per-run flags (memory fraction, ...)
     env: dict = field(default_factory=dict)
     proc: subprocess.Popen | None = None
+    launch_env: dict | None = None  # the process's whole environment, set at launch
+
+    def kvstreams_env(self) -> dict[str, str]:
+        """Our servers' A/B switches (``KVSTREAMS_PLAN_GRAPH``, ``KVSTREAMS_PLAN_KERNEL``, ...) the process was
+        launched with: part of what a run measured."""
+        return {k: v for k, v in sorted((self.launch_env or {}).items()) if k.startswith("KVSTREAMS_")}
 
     @property
     def url(self) -> str:
@@ -207,8 +213,9 @@ class Server:
         log = open(self.log_path, "w")
         log.write(" ".join(self.command()) + "\n")
         log.flush()
+        self.launch_env = {**os.environ, **self.env}
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **self.env})
+                                     env=self.launch_env)
         return self
 
     def wait_ready(self, timeout_s: float = 900.0) -> Server:

@@ -170,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         with server:
             row["start_s"] = time.perf_counter() - t0
+            row["kvstreams_env"] = server.kvstreams_env()
             info = server.server_info()
             capacity = int(info.get("max_total_num_tokens") or 0)
             row.update(max_total_num_tokens=capacity, max_running_requests=info.get("max_running_requests"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import socket
 import sys
 from pathlib import Path
@@ -266,6 +267,7 @@ def cpu_servers(tiny_model_path, tmp_path_factory):
     a.taken_port = held.getsockname()[1]
     servers = {name: server_for(SETUPS[name], a, a.taken_port if name == "stock_bf16" else free_port(), out / "logs")
                for name in a.configs}
+    servers["streams_bf16"].env["KVSTREAMS_PLAN_GRAPH"] = "0"  # an A/B switch (a no-op on a CPU), recorded per run
     try:
         servers["streams_bf16"].launch()
         servers["stock_bf16"].start(600)
@@ -381,6 +383,9 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
         assert 0 < r["kv"]["resident_peak_tokens"] <= r["concurrency"]["capacity_tokens"]
         assert r["kv"]["resident_peak_bytes"] == r["kv"]["resident_peak_tokens"] * r["kv"]["bytes_per_token"]
         assert result["servers"][name]["pool_tokens"] == 2048
+        switches = {"KVSTREAMS_PLAN_GRAPH": "0"} if name == "streams_bf16" else {}
+        assert result["servers"][name]["kvstreams_env"] == {**{
+            k: v for k, v in os.environ.items() if k.startswith("KVSTREAMS_")}, **switches}
         # --pyspy: the server's scheduler and the bench's client loop sampled over the window (bench.pyspy)
         spy = r["pyspy"]
         assert spy["errors"] == [] and spy["not_found"] == [], spy

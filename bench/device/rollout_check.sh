@@ -9,6 +9,7 @@
 # SGLang's prefill delayer, stock and ours alike since 2026-12-05; ours ran its own copy of the rule before).
 # GAMES=long (LONG_TURNS=30,60): longer games than the recorded ones; KVSTREAMS_SYNC_REPORT=1: our servers log every
 # call stack that makes the scheduler wait for the GPU (kvstreams_sglang/sglang_ext/sync_report.py; in server_logs).
+# CHECK_GRAPHS=1: the decode graph-step test first, falling back to op-by-op planning if it fails (below).
 # then, here: python -m bench.rollout_sglang merge stock.json ours.json --out bench/results/rollout_sglang_h200.json
 # (the same episode list and seed in both calls; the merge refuses parts run with other settings).
 # What the first run taught (2026-12-02, bench/results/rollout_sglang_h200.json):
@@ -42,6 +43,19 @@ mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 source bench/device/bundle.sh || exit 1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+# CHECK_GRAPHS=1: first the decode graph-step test (~1 min: each batch size's captured planning and step replayed
+# against the eager hooks, bit for bit); if it fails, our servers plan every step op by op (KVSTREAMS_PLAN_GRAPH=0,
+# recorded per server in the JSON's servers.*.kvstreams_env) and the rollouts still run. Its log: $OUT/graph_check.log.
+if [ "${CHECK_GRAPHS:-0}" = 1 ]; then
+  if timeout 170 python3 -m pytest -q -p no:cacheprovider -s \
+      tests/test_sglang_gpu.py::test_sglang_gpu_graph_steps_match_eager > "$OUT/graph_check.log" 2>&1; then
+    echo "graph check passed (KVSTREAMS_PLAN_GRAPH=${KVSTREAMS_PLAN_GRAPH:-1})"
+  else
+    tail -20 "$OUT/graph_check.log"
+    echo "graph check failed: the rollouts run with KVSTREAMS_PLAN_GRAPH=0"
+    export KVSTREAMS_PLAN_GRAPH=0
+  fi
+fi
 MODEL=/tmp/qwen3-4b
 [ -f $MODEL/config.json ] || python3 -m kvstreams_sglang.checkpoints $MODEL --shape qwen3-4b --dtype bfloat16 \
   --device cuda > /dev/null || exit 1
