@@ -9,7 +9,8 @@
 # SGLang's prefill delayer, stock and ours alike since 2026-12-05; ours ran its own copy of the rule before).
 # GAMES=long (LONG_TURNS=30,60): longer games than the recorded ones; KVSTREAMS_SYNC_REPORT=1: our servers log every
 # call stack that makes the scheduler wait for the GPU (kvstreams_sglang/sglang_ext/sync_report.py; in server_logs).
-# CHECK_GRAPHS=1: the decode graph-step test first, falling back to op-by-op planning if it fails (below).
+# CHECK_GRAPHS=1: the decode graph-step test first, falling back to op-by-op planning if it fails (below; ~1 min:
+# give the rollouts ROLLOUT_TIMEOUT=420 to stay within one call).
 # then, here: python -m bench.rollout_sglang merge stock.json ours.json --out bench/results/rollout_sglang_h200.json
 # (the same episode list and seed in both calls; the merge refuses parts run with other settings).
 # What the first run taught (2026-12-02, bench/results/rollout_sglang_h200.json):
@@ -48,7 +49,8 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 # recorded per server in the JSON's servers.*.kvstreams_env) and the rollouts still run. Its log: $OUT/graph_check.log.
 if [ "${CHECK_GRAPHS:-0}" = 1 ]; then
   if timeout 170 python3 -m pytest -q -p no:cacheprovider -s \
-      tests/test_sglang_gpu.py::test_sglang_gpu_graph_steps_match_eager > "$OUT/graph_check.log" 2>&1; then
+      tests/test_sglang_gpu.py::test_sglang_gpu_graph_steps_match_eager > "$OUT/graph_check.log" 2>&1 \
+      && grep -q "1 passed" "$OUT/graph_check.log"; then  # (a skip is no check)
     echo "graph check passed (KVSTREAMS_PLAN_GRAPH=${KVSTREAMS_PLAN_GRAPH:-1})"
   else
     tail -20 "$OUT/graph_check.log"
