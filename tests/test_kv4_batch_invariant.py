@@ -9,11 +9,13 @@ here under the interpreter, as on the GPU; each output is also held to the float
 
 import pytest
 import torch
+import triton
 from kv4_cases import filled_cache, rel_l2, tie_free_query
 
 from kvstreams_sglang.kernels import KV4DecodeWorkspace, TritonDecodeVariant
 from kvstreams_sglang.kernels.attend import kv4_attention_step
 from kvstreams_sglang.kernels.decode import INVARIANT_SPLITS, cuda_split_count
+from kvstreams_sglang.kernels.extend import GRID_TILE, extend_splits
 from kvstreams_sglang.kv4.reference import decode_reference, extend_reference
 
 T32 = TritonDecodeVariant(block_n=32)
@@ -64,6 +66,13 @@ def test_invariant_extend_gives_a_request_the_same_bits_in_any_batch(device):
     """An extend's new tokens of one request, alone and beside another request's (whose grid changes the default
     tile and split-K choice): the same bits with ``invariant``."""
     prefix, new = [400, 600], [24, 40]
+    # the control below needs the default to choose differently: request 0 alone is split-K, beside request 1 the
+    # grid fills the GPU and runs unsplit. Request 1 gets new tokens until it does (40 under the interpreter's 4
+    # "SMs"; on an H100/H200, 132 SMs, ~1k: 33 query blocks of 32 tokens x 2 requests x 2 KV heads)
+    programs = lambda tokens, b: triton.cdiv(tokens, GRID_TILE.block_r // (HQ // HKV)) * b * HKV  # noqa: E731
+    while extend_splits(programs(new[1], 2), sum(new), HQ, 128, torch.device(device)) > 1:
+        new[1] += 32
+    assert extend_splits(programs(new[0], 1), new[0], HQ, 128, torch.device(device)) > 1
     cache0, meta, _ = filled_cache(prefix, hkv=HKV, seed=7, device=device)
     g = torch.Generator().manual_seed(8)
     # the GPU runs bf16, as the server does (fp32 operands need twice the shared memory of the invariant tile: more

@@ -74,11 +74,12 @@ def test_no_request_plans_empty_lists(device):
     assert got["kv_indptr"].tolist() == [0] and got["side_indices"].numel() == 0
 
 
-def test_plan_cost_bench_compares_the_two_planners_on_the_same_rows(tmp_path):
-    """``bench.plan_cost`` (the GPU's side-by-side timing) plans the same lists both ways (a smoke run here)."""
+def test_plan_cost_bench_compares_the_two_planners_on_the_same_rows(tmp_path, device):
+    """``bench.plan_cost`` (the GPU's side-by-side timing) plans the same lists both ways (a smoke run here; on a
+    GPU machine on the GPU, since Triton runs CPU tensors only under the interpreter)."""
     from bench.plan_cost import main
 
-    out = main(["--device", "cpu", "--batches", "3", "--lengths", "70,300", "--iters", "1", "--out",
+    out = main(["--device", str(device), "--batches", "3", "--lengths", "70,300", "--iters", "1", "--out",
                 str(tmp_path / "p.json")])
     assert [r["same_lists"] for r in out["rows"]] == [True, True]
     assert (tmp_path / "p.json").exists()
