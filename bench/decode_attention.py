@@ -5,6 +5,8 @@ kernel must read (INT4 codes + meta for the INT4 region, INT8 codes + scale for 
 144-position side region, slot indices, the query) and write (the output).
 Usage: ``python -m bench.decode_attention [--quick] [--graph] [--out bench/results/x.json]``; the one-command device
 check (GPU tests + eager vs graph vs FlashInfer at 128x8k, 64x2k, 64x4k) is ``bench/device/decode_check.sh``.
+Extends: ``--extend [--extend-sweep] [--extend-shapes B,L,N;...]`` (``kv4_extend`` against FlashInfer's BF16
+prefill; the sweep adds the launch tiles and split-K counts per shape).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import math
 import os
 import platform
+import sys
 from typing import NamedTuple
 
 import torch
@@ -438,6 +441,23 @@ EXTEND_TILES = tuple(ExtendTile(*t) for t in (
     (128, 64, 4, True), (128, 64, 8, True), (128, 128, 8, True)))
 
 
+EXTEND_SPLITS = (2, 4, 8, 16)  # --extend-sweep: split-K counts timed beside the shipped choice and unsplit
+
+
+def parse_extend_shapes(text: str) -> tuple[tuple[int, int, int], ...]:
+    """``"B,L,N;B,L,N"`` -> ``((B, L, N), ...)``: B requests, each a KV4 prefix of L tokens and N new ones."""
+    shapes = []
+    for part in filter(None, text.split(";")):
+        fields = part.split(",")
+        if len(fields) != 3 or not all(f.strip().isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"--extend-shapes: {part!r} is not B,L,N (three positive integers: requests, prefix "
+                             "tokens, new tokens each)")
+        shapes.append(tuple(int(f) for f in fields))
+    if not shapes:
+        raise ValueError("--extend-shapes: no shape given (B,L,N;B,L,N;...)")
+    return tuple(shapes)
+
+
 def dequantized_prefix(cache, idx, i: int, dtype=torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """Request ``i``'s cached prefix as ``dtype`` K/V ``[L, Hkv, D]`` (keys in the rotated basis): its INT8
     positions from the side cache, the others from INT4. The same set of keys the two-region attention reads, so
@@ -468,10 +488,17 @@ def _extend_row(b, length, n, hq, hkv, d, device, sweep: bool = False):
 
     ms = triton.testing.do_bench(kv4, warmup=25, rep=200, return_mode="median")
     one = triton.testing.do_bench(lambda: kv4(1), warmup=25, rep=200, return_mode="median")
+    splits_ms = {}
+    if sweep:  # split-K counts at the default tiles (``extend_splits`` picks one from the grid size alone)
+        for s in EXTEND_SPLITS:
+            splits_ms[s] = triton.testing.do_bench(lambda s=s: kv4(s), warmup=10, rep=100, return_mode="median")
     from kvstreams_sglang.kernels.extend import GRID_TILE, extend_splits
     row = dict(batch=b, prefix=length, new=n, kv4_extend_ms=ms, new_tokens_per_s=b * n / ms * 1e3,
                splits=extend_splits(triton.cdiv(n, GRID_TILE.block_r // (hq // hkv)) * b * hkv, b * n, hq, d, device),
                kv4_extend_unsplit_ms=one, split_speedup=one / ms)
+    if splits_ms:  # (the shipped choice is ``splits``, timed as kv4_extend_ms)
+        row["splits_ms"] = {1: one, **splits_ms}
+        row["best_splits"] = min(row["splits_ms"], key=row["splits_ms"].get)
     if sweep:  # the kernel's tiles: rows of (tokens x query heads) and prefix keys per program
         row["tiles_ms"] = {}
         row["tiles_rel_l2"] = {}  # each tile's output against the pre-sweep default's
@@ -515,7 +542,7 @@ def _extend_row(b, length, n, hq, hkv, d, device, sweep: bool = False):
 
 def extend_bench(shapes=((1, 8192, 1024), (4, 4096, 512), (8, 2048, 256), (1, 3072, 231), (2, 4096, 128),
                          (1, 8192, 64), (4, 2048, 32), (16, 3072, 192)),  # the last: a rollout step's turns
-                 hq=32, hkv=8, d=128, out=None, sweep: bool = False):
+                 hq=32, hkv=8, d=128, out=None, sweep: bool = False, command: str | None = None):
     """Extend/prefill: ``kv4_extend`` (B requests, each a prefix of L cached tokens in KV4 plus n new tokens
     attending causally; split-K as shipped and unsplit) vs FlashInfer's BF16 prefill on the same tokens held
     contiguous in BF16 (one ``single_prefill_with_kv_cache`` per request, causal aligned to the end), in one
@@ -524,8 +551,8 @@ def extend_bench(shapes=((1, 8192, 1024), (4, 4096, 512), (8, 2048, 256), (1, 30
     for b, length, n in shapes:  # the JSON is rewritten after every shape: a run cut short keeps its rows
         rows.append(_extend_row(b, length, n, hq, hkv, d, torch.device("cuda"), sweep=sweep))
         print("extend", rows[-1], flush=True)
-        result = dict(device=torch.cuda.get_device_name(), rows=rows,
-                      command="python -m bench.decode_attention --extend" + (" --extend-sweep" if sweep else ""))
+        result = dict(device=torch.cuda.get_device_name(), rows=rows, command=command or (
+            "python -m bench.decode_attention --extend" + (" --extend-sweep" if sweep else "")))
         if sweep:
             result["tiles"] = rank_extend_tiles(rows)
         if out:
@@ -666,7 +693,9 @@ def main():
     p.add_argument("--store-only", action="store_true", help="time the store kernels (CUDA, Triton) and the copy")
     p.add_argument("--extend", action="store_true", help="time kv4_extend against FlashInfer's BF16 prefill")
     p.add_argument("--extend-sweep", action="store_true", help="with --extend: the kernel's tiles (EXTEND_TILES) and "
-                   "the dequantise-then-FlashInfer design, per shape")
+                   "the dequantise-then-FlashInfer design, per shape, and split-K counts (EXTEND_SPLITS)")
+    p.add_argument("--extend-shapes", default=None, help="with --extend: B,L,N;B,L,N;... (requests, prefix tokens, "
+                   "new tokens each) instead of the default shapes, e.g. '16,10240,40' for full-context turns")
     p.add_argument("--alts", default=None, help="name:key=val,...;...: KV4 decode variants timed beside the shipped "
                    "kernel (parse_alts: triton=1, graph=1, Triton / CUDA variant fields, split counts)")
     p.add_argument("--graph", action="store_true", help="also the shipped kernel with a graph plan: launched eagerly "
@@ -677,12 +706,15 @@ def main():
     p.add_argument("--shapes", default=None, help="B,L;B,L;...: table rows to run instead of the full grid")
     p.add_argument("--variants", default=None, help="B,L;B,L;...: time decode kernel variants, then the store kernel")
     a = p.parse_args()
+    if a.extend_shapes and not a.extend:
+        p.error("--extend-shapes needs --extend")
     if a.store_only:
         store_bench(out=a.out or os.path.join(os.environ.get("OUT", "bench/results"), "decode_store_h200.json"))
         return
     if a.extend:
+        kw = dict(shapes=parse_extend_shapes(a.extend_shapes)) if a.extend_shapes else {}
         extend_bench(out=a.out or os.path.join(os.environ.get("OUT", "bench/results"), "extend_h200.json"),
-                     sweep=a.extend_sweep)
+                     sweep=a.extend_sweep, command="python -m bench.decode_attention " + " ".join(sys.argv[1:]), **kw)
         return
     if a.overhead:
         host_overhead()

@@ -97,3 +97,14 @@ def test_extend_writes_into_a_given_output_buffer(device):
     assert got.data_ptr() == flat.data_ptr() and torch.equal(got, fresh)
     with pytest.raises(ValueError, match="kv4_extend: out"):
         kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, out=torch.empty(19, 8, 64, device=device))
+
+
+def test_extend_bench_shapes_parse_or_say_what_is_wrong():
+    """``python -m bench.decode_attention --extend --extend-shapes B,L,N;...``: the weak cases (e.g. full-context
+    turns, '16,10240,40') timed without a code change; a malformed shape is refused with the reason."""
+    from bench.decode_attention import parse_extend_shapes
+
+    assert parse_extend_shapes("16,10240,40;8,16384,40;") == ((16, 10240, 40), (8, 16384, 40))
+    for bad in ("16,10240", "a,1,2", "4,0,8", ""):
+        with pytest.raises(ValueError, match="extend-shapes"):
+            parse_extend_shapes(bad)
