@@ -161,7 +161,8 @@ def rollout_server(cfg: Config, serving: ServingConfig, log_path: Path):
         flags += cpu_flags
     else:  # the built-in engine's KV budget (inference.kv_slots), within the memory share: both engines hold as
         # many tokens, and the rest of the share stays free for the trainer
-        flags += ["--mem-fraction-static", str(serving.mem_fraction_static), "--max-total-tokens", str(i.kv_slots)]
+        flags += ["--mem-fraction-static", str(serving.mem_fraction_static), "--max-total-tokens", str(i.kv_slots),
+                  "--dtype", "bfloat16"]  # as the trainer and the built-in engine (auto: fp16 for fp32 checkpoints)
     return Server(ServerConfig(log_path.stem, OURS), cfg.model.path, free_port(), log_path,
                   flags=[*flags, *serving.flags], env=env)
 

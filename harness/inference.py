@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -68,6 +69,12 @@ class SGLangInference:
                 raise RuntimeError(f"inference.kv_dtype = {self.cfg.kv_dtype!r} but the SGLang server at "
                                    f"{server.base_url} runs {info['pool']} (launch it "
                                    f"{'with' if not kv4 else 'without'} --kv4rl)")
+            want = "bfloat16" if self.trainer_device.type == "cuda" else "float32"
+            if info.get("model_dtype", want) != want:
+                warnings.warn(f"the SGLang server at {server.base_url} computes in {info['model_dtype']} but the "
+                              f"trainer in {want}: sampler and trainer logprobs differ by more than they need to "
+                              f"(SGLang's --dtype auto runs an fp32 checkpoint in float16; launch with --dtype {want})",
+                              stacklevel=2)
         if self.cfg.weight_sync == "distributed" and self.broadcast is None:
             ranks = []
             for server in self.servers:

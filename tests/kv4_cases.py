@@ -13,13 +13,15 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def filled_cache(lengths, *, hkv=2, d=128, sink=16, recent=128, seed=0, shuffle=True, rotate=True, device="cpu"):
+def filled_cache(lengths, *, hkv=2, d=128, sink=16, recent=128, seed=0, shuffle=True, rotate=True, device="cpu",
+                 spare_slots=0):
     """Requests of the given lengths stored at shuffled slots; returns the cache, the
-    CSR metadata of both regions, and the raw K/V per request."""
+    CSR metadata of both regions, and the raw K/V per request. The cache's last ``spare_slots`` slots hold no
+    request (room for an extend's new tokens)."""
     g = torch.Generator().manual_seed(seed)
     total = sum(lengths)
     perm = torch.randperm(total + 7, generator=g)[:total] if shuffle else torch.arange(total)
-    cache = KV4LayerCache.empty(total + 7, len(lengths) * side_width(sink, recent), hkv, d)
+    cache = KV4LayerCache.empty(total + 7 + spare_slots, len(lengths) * side_width(sink, recent), hkv, d)
     kv_ptr, side_ptr, kv_idx, side_idx, raw = [0], [0], [], [], []
     start = 0
     for row, length in enumerate(lengths):

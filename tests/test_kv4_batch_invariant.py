@@ -73,7 +73,10 @@ def test_invariant_extend_gives_a_request_the_same_bits_in_any_batch(device):
     while extend_splits(programs(new[1], 2), sum(new), HQ, 128, torch.device(device)) > 1:
         new[1] += 32
     assert extend_splits(programs(new[0], 1), new[0], HQ, 128, torch.device(device)) > 1
-    cache0, meta, _ = filled_cache(prefix, hkv=HKV, seed=7, device=device)
+    # the new tokens are stored past every prefix slot (with ~1k new tokens on a GPU, "the last n slots" of a cache
+    # sized for the prefixes alone began at a negative slot: the store wrote out of bounds, into the reference's
+    # cache too -- the H100, 2026-12-06)
+    cache0, meta, _ = filled_cache(prefix, hkv=HKV, seed=7, device=device, spare_slots=sum(new))
     g = torch.Generator().manual_seed(8)
     # the GPU runs bf16, as the server does (fp32 operands need twice the shared memory of the invariant tile: more
     # than an H100 has); the interpreter fp32, since its tl.dot mis-multiplies bf16 (``kernels.batch_invariant``)
@@ -89,6 +92,7 @@ def test_invariant_extend_gives_a_request_the_same_bits_in_any_batch(device):
         n = sel.numel()
         none = torch.full((n,), -1, dtype=torch.long, device=device)  # store nowhere: only the attention matters
         spare = torch.arange(cache.k_codes.shape[0] - n, cache.k_codes.shape[0], device=device)
+        assert int(spare[0]) >= sum(prefix) + 7  # no prefix slot among them
         out = kv4_attention_step(cache, q[sel], k[sel], v[sel], mode="extend", qo_indptr=qo, out_slots=spare,
                                  side_slots=none, kv4=rows(meta, batch), sm_scale=128 ** -0.5, use_triton=True,
                                  max_new_tokens=max(new[r] for r in batch), invariant=invariant)

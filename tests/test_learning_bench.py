@@ -182,7 +182,7 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
 
 def test_a_gpu_runs_server_holds_the_builtin_engines_kv_budget(tmp_path):
     """On a GPU the run's server gets the built-in engine's KV budget (``inference.kv_slots``) within its memory
-    share, and kv4rl only for the kv4rl run; built, not started (no GPU needed)."""
+    share, the trainer's bf16, and kv4rl only for the kv4rl run; built, not started (no GPU needed)."""
     from bench.learning import rollout_server, run_config
 
     cfg = load_config("configs/textworld/gpu_small.toml", [], schema=LearningConfig)
@@ -192,3 +192,4 @@ def test_a_gpu_runs_server_holds_the_builtin_engines_kv_budget(tmp_path):
         assert flags[flags.index("--max-total-tokens") + 1] == str(cfg.inference.kv_slots)
         assert flags[flags.index("--mem-fraction-static") + 1] == str(cfg.serving.mem_fraction_static)
         assert ("--kv4rl" in flags) == kv4rl and "--enable-kv-streams" in flags
+        assert flags[flags.index("--dtype") + 1] == "bfloat16"  # the trainer's; auto would run fp32 weights in fp16

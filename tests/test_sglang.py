@@ -649,6 +649,43 @@ def run_client(url: str, episode, kv_dtype: str = "kv4rl"):
     return asyncio.run(main())
 
 
+def test_a_turn_stops_at_a_listed_stop_token_on_both_clients(kv4rl_server):
+    """A turn ends at the first sampled token of ``stop_token_ids`` (finish ``stop``), on a stream and on a plain
+    request, as on the built-in engine; without stop tokens it runs to ``max_new_tokens``. (SGLang skips
+    ``stop_token_ids`` under ``ignore_eos``: sent together, no turn ever stopped, and the learning bench's
+    SFT'd policy, whose commands end with a stop token, won no game on the GPU server.)"""
+    from kvstreams_sglang.engine import SamplingParams
+    from kvstreams_sglang.sglang_ext.plain_client import PlainClient
+
+    free = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+    async def episode(c):
+        out = []
+        for stop_at in (None, 2):  # greedy: the same tokens, the second time cut at the third one's first use
+            sid = await c.open(script.PROMPT)
+            params = free
+            if stop_at is not None:
+                params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(out[0].token_ids[stop_at],))
+            out.append(await c.generate(sid, params))
+            await c.close(sid)
+        return out
+
+    async def plain_episode():
+        c = PlainClient(kv4rl_server)
+        try:
+            return await episode(c)
+        finally:
+            await c.aclose()
+
+    import asyncio
+
+    for (full, cut), _ in [run_client(kv4rl_server, episode), (asyncio.run(plain_episode()), None)]:
+        assert len(full.token_ids) == 8 and full.finish_reason == "length"
+        first = full.token_ids.index(full.token_ids[2]) + 1
+        assert cut.token_ids == full.token_ids[:first] and cut.finish_reason == "stop", (full, cut)
+    assert assert_serves_and_pool_whole(kv4rl_server)["model_dtype"] == "float32"  # (SGLangInference checks it)
+
+
 def test_s1_a_turn_too_long_for_the_pool_is_refused_and_the_stream_kept(kv4rl_server):
     """Issue 25's S1: a turn whose KV cannot fit (here 20000 tokens against a 16384-token pool) on a stream holding
     KV answers 400 with the reason, and the stream is as it was: its next turn finds every kept token cached (on the

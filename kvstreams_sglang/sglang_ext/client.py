@@ -48,9 +48,12 @@ MAX_RESTORES = 8  # restores of one turn before giving up (each one evicted agai
 
 
 def sglang_sampling_params(params: SamplingParams) -> dict:
-    """Our sampling parameters in SGLang's request format (EOS stops only when listed, as in the built-in engine)."""
+    """Our sampling parameters in SGLang's request format. Without stop tokens nothing stops a turn before
+    ``max_new_tokens`` (``ignore_eos``), as in the built-in engine. With them, ``ignore_eos`` must be off: SGLang
+    checks ``stop_token_ids`` only when it looks for EOS at all (``Req._check_token_based_finish``), so the model's
+    own EOS ids (its config's) stop a turn too; chat renderers list them anyway (``ChatRenderer.eos_ids``)."""
     out = dict(max_new_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-               top_k=params.top_k if params.top_k else -1, ignore_eos=True)
+               top_k=params.top_k if params.top_k else -1, ignore_eos=not params.stop_token_ids)
     if params.stop_token_ids:
         out["stop_token_ids"] = list(params.stop_token_ids)
     if params.seed is not None:

@@ -268,7 +268,8 @@ def _install_rpc() -> None:
 
     def kvstreams_pool_info(self):
         """Free/total token slots, the tree's evictable and locked tokens, what open streams hold and the stream
-        counters, the pool class, its bytes, and the per-token size capacity was computed with."""
+        counters, the pool class, its bytes, the per-token size capacity was computed with, and the dtype the model
+        computes in (``--dtype auto`` runs an fp32 checkpoint in fp16)."""
         from sglang.srt.model_executor.pool_configurator import create_memory_pool_configurator
 
         allocator = self.token_to_kv_pool_allocator
@@ -282,7 +283,8 @@ def _install_rpc() -> None:
                     pool=type(allocator.get_kvcache()).__name__, open_sessions=len(self.session_controller.sessions),
                     kv_bytes=int(sum(kv_bytes) if isinstance(kv_bytes, tuple) else kv_bytes),
                     cell_bytes=int(configurator._cell_size),
-                    max_running_requests=int(runner.req_to_token_pool.size))
+                    max_running_requests=int(runner.req_to_token_pool.size),
+                    model_dtype=str(runner.dtype).removeprefix("torch."))
 
     def kvstreams_host_clock(self):
         """The scheduler's host time so far in the stream cache's hooks, the turn request hook and (kv4rl) the
