@@ -8,6 +8,10 @@ shaped like the long games under Sliding Window: a shared prompt, then ``--live`
 evicting the oldest ``--turn`` tokens after the prompt and appending a computed turn of that length.
 
     python -m bench.stream_cache_cost --out bench/results/stream_cache_cost_cpu.json
+    python -m bench.stream_cache_cost --growth 20,80 --out bench/results/stream_cache_growth_cpu.json
+
+``--growth``: the tree work per turn of a stream that never evicts, with and without merging its private branch
+into one node after each turn (``KVStreamRadixCache._merge_branch``).
 """
 
 from __future__ import annotations
@@ -93,15 +97,64 @@ def evict_cost(live: int, prompt: int = 76, turn: int = 200, turns: int = 60) ->
                 p90_ms=times[int(0.9 * (len(times) - 1))] * 1e3)
 
 
+def growth_cost(turns: int = 80, turn: int = 154, prompt: int = 76, merge: bool = True, last: int = 10) -> dict:
+    """A stream that never evicts (full context, or the turns before a window fills): per turn, the tree work of
+    SGLang's hooks -- the turn's ``match_prefix``, the insert and re-match of ``cache_unfinished_req`` -- then, with
+    ``merge``, ``_merge_branch`` as ``cache_finished_req`` ends (without it, each turn leaves one more node on the
+    branch, as before the merge). Median ms of the last ``last`` turns, and the branch's nodes at the end."""
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    size = prompt + turn * turns + 16
+    cache, alloc = _cache(size)
+    state = cache.open_stream("s", prompt, None)
+    tokens = list(range(1000, 1000 + prompt))
+    state.prompt = array("q", tokens)
+    slots, times = torch.empty(0, dtype=torch.int64), []
+    for t in range(turns):
+        toks = tokens + list(range(50_000 + t * turn, 50_000 + (t + 1) * turn))
+        key = state.key(toks)
+        t0 = time.perf_counter()
+        hit = RadixCache.match_prefix(cache, MatchPrefixParams(key=key)).device_indices
+        new = alloc.alloc(len(toks) - len(hit))
+        cache.insert(InsertParams(key=key, value=torch.cat([hit, new])))
+        cache._split_at_prefix(state, key)
+        again = RadixCache.match_prefix(cache, MatchPrefixParams(key=key)).device_indices
+        state.live.extend(range(state.computed, len(toks)))
+        if merge:
+            cache._merge_branch(state, array("q", toks))
+        times.append(time.perf_counter() - t0)
+        slots = torch.cat([slots, new])
+        assert torch.equal(again, slots)
+        tokens = toks
+    # the stream's slots are those it was given, in order, and all of its KV is evictable cache
+    assert torch.equal(cache._slots(state, tokens), slots) and cache.evictable_size() == len(tokens)
+    nodes, node = 0, cache._find_branch(state)
+    while node is not None:
+        nodes += 1
+        node = next(iter(node.children.values()), None)
+    tail = sorted(times[-last:])
+    return dict(turns=turns, tokens_per_turn=turn, stream_tokens=len(tokens), merge=merge, branch_nodes=nodes,
+                last_turns_median_ms=statistics.median(tail) * 1e3)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--live", default="1000,3500,10000", help="live private tokens per stream, comma-separated")
     ap.add_argument("--turn", type=int, default=200, help="tokens evicted (and appended) per turn")
+    ap.add_argument("--growth", default="", help="instead: streams of this many turns without eviction, comma-"
+                    "separated, each with and without merging the branch after a turn (``growth_cost``)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    rows = [evict_cost(int(n), turn=args.turn) for n in args.live.split(",")]
-    for r in rows:
-        print(f"live {r['live_tokens']:>6}: evict_spans median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
+    if args.growth:
+        rows = [growth_cost(int(n), merge=merge) for n in args.growth.split(",") for merge in (False, True)]
+        for r in rows:
+            print(f"{r['turns']:>4} turns ({r['stream_tokens']} tokens), merge {r['merge']!s:>5}: "
+                  f"{r['branch_nodes']:>3} branch nodes, last turns' tree work {r['last_turns_median_ms']:.3f} ms")
+    else:
+        rows = [evict_cost(int(n), turn=args.turn) for n in args.live.split(",")]
+        for r in rows:
+            print(f"live {r['live_tokens']:>6}: evict_spans median {r['median_ms']:.3f} ms, p90 {r['p90_ms']:.3f} ms")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
     result = dict(command="python -m bench.stream_cache_cost " + " ".join(argv or os.sys.argv[1:]),
                   commit=commit.strip(), machine=f"{platform.processor() or platform.machine()}, "

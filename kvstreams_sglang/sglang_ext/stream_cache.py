@@ -252,6 +252,7 @@ class KVStreamRadixCache(RadixCache):
         self._prefill_cached(state, req)
         self._save_side(state, req)
         session.finish_req(req)
+        self._merge_branch(state, session_tokens(session))
 
     @timed("evict")
     def evict(self, params: EvictParams) -> EvictResult:
@@ -506,6 +507,15 @@ class KVStreamRadixCache(RadixCache):
                 if id(child) not in on_path:
                     self._delete_subtree(child)
         return chain
+
+    def _merge_branch(self, state: StreamState, tokens) -> None:
+        """After a turn: the private branch as one node again. Each turn's insert hangs a node under it, and every
+        tree walk (``match_prefix``, ``insert``) copies the rest of its key at each node, so without evictions
+        (which compact the branch) a stream's tree work per turn grew with turns x tokens (``bench.stream_cache_cost
+        --growth``). Nothing else may match inside a private branch, so its node boundaries mean nothing."""
+        chain = self._prune(state, tokens)
+        if chain is not None and len(chain) > 1 and not any(node.lock_ref for node in chain):
+            self._compact(state, chain, tokens[: state.computed], [])
 
     def _compact(self, state: StreamState, chain: list[TreeNode], kept, runs: list[tuple[int, int]]) -> None:
         """Rewrite the branch ``chain`` (compacted tokens [p, computed)) as one node holding ``kept[p:]``: the
