@@ -148,8 +148,13 @@ def rollout_server(cfg: Config, serving: ServingConfig, log_path: Path):
     from .sglang_servers import OURS, Server, ServerConfig, cpu_flags_env
 
     i, ep = cfg.inference, cfg.orchestrator.episode
+    # a stream's positions reach max_stream_tokens plus a turn, within what the model has positions for (SGLang
+    # refuses a longer context than the checkpoint's)
+    config = Path(cfg.model.path) / "config.json"
+    positions = json.loads(config.read_text()).get("max_position_embeddings") if config.exists() else None
+    context = min(ep.max_stream_tokens + ep.max_new_tokens + 64, positions or 1 << 62)
     flags = ["--enable-kv-streams", "--enable-fp32-lm-head", "--max-running-requests", str(i.max_streams),
-             "--context-length", str(ep.max_stream_tokens + ep.max_new_tokens + 64), "--random-seed",
+             "--context-length", str(context), "--random-seed",
              str(cfg.run.seed)]
     if i.kv_dtype == "kv4rl":
         flags += ["--kv4rl", "--kv4rl-sink", str(i.sink), "--kv4rl-recent", str(i.recent)]

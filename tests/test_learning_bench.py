@@ -186,6 +186,8 @@ def test_a_gpu_runs_server_holds_the_builtin_engines_kv_budget(tmp_path):
     from bench.learning import rollout_server, run_config
 
     cfg = load_config("configs/textworld/gpu_small.toml", [], schema=LearningConfig)
+    (tmp_path / "model").mkdir()  # a checkpoint with fewer positions than the config's streams
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     for name, kv4rl in (("kv_streams", True), ("reprefill", False)):
         rcfg = run_config(cfg, name, str(tmp_path / "model"), tmp_path / name)
         flags = rollout_server(rcfg, cfg.serving, tmp_path / f"{name}.log").command()
@@ -193,3 +195,4 @@ def test_a_gpu_runs_server_holds_the_builtin_engines_kv_budget(tmp_path):
         assert flags[flags.index("--mem-fraction-static") + 1] == str(cfg.serving.mem_fraction_static)
         assert ("--kv4rl" in flags) == kv4rl and "--enable-kv-streams" in flags
         assert flags[flags.index("--dtype") + 1] == "bfloat16"  # the trainer's; auto would run fp32 weights in fp16
+        assert flags[flags.index("--context-length") + 1] == "4096"  # not 8192 + a turn: SGLang would refuse it
