@@ -512,9 +512,11 @@ class KVStreamRadixCache(RadixCache):
         """After a turn: the private branch as one node again. Each turn's insert hangs a node under it, and every
         tree walk (``match_prefix``, ``insert``) copies the rest of its key at each node, so without evictions
         (which compact the branch) a stream's tree work per turn grew with turns x tokens (``bench.stream_cache_cost
-        --growth``). Nothing else may match inside a private branch, so its node boundaries mean nothing."""
+        --growth``). Nothing else may match inside a private branch, so its node boundaries mean nothing. A branch
+        of two nodes stays: a turn that evicts compacts it anyway (Sliding Window's every turn), so a stream that
+        never evicts merges every other turn and its walks pass at most three nodes."""
         chain = self._prune(state, tokens)
-        if chain is not None and len(chain) > 1 and not any(node.lock_ref for node in chain):
+        if chain is not None and len(chain) > 2 and not any(node.lock_ref for node in chain):
             self._compact(state, chain, tokens[: state.computed], [])
 
     def _compact(self, state: StreamState, chain: list[TreeNode], kept, runs: list[tuple[int, int]]) -> None:
