@@ -172,6 +172,21 @@ def rollout_server(cfg: Config, serving: ServingConfig, log_path: Path):
                   flags=[*flags, *serving.flags], env=env)
 
 
+def warm_up(server, cfg: Config) -> None:
+    """Requests with the run's sampling and greedy, logprobs returned, before the run's clock starts: a fresh
+    machine JIT-compiles the sampling kernels at their first use (the first GPU run of ``--serving.engine sglang``:
+    the step-0 rollouts took 62 s, step 1's 1.5 s), which is the server's start, not the run's GPU time."""
+    from kvstreams_sglang.engine import SamplingParams
+    from kvstreams_sglang.sglang_ext.client import sglang_sampling_params
+
+    ep = cfg.orchestrator.episode
+    for temperature in (ep.temperature, 0.0):
+        params = SamplingParams(max_new_tokens=ep.max_new_tokens, temperature=temperature, top_p=ep.top_p,
+                                top_k=ep.top_k, seed=cfg.run.seed)
+        server.post_sync("/generate", dict(input_ids=list(range(1, 65)), sampling_params=sglang_sampling_params(params),
+                                           return_logprob=True))
+
+
 class LearningBench:
     """The bench's state directory and its stages."""
 
@@ -263,8 +278,9 @@ class LearningBench:
             except BaseException:  # cancelled (SIGTERM: main's unwind_on_sigterm) while the thread waits for it
                 server.stop()
                 raise
+            await asyncio.to_thread(warm_up, server, rcfg)
             start_s = round(time.perf_counter() - t0, 1)
-            self.console.print(f"server up in {start_s} s at {server.url}")
+            self.console.print(f"server up and warm in {start_s} s at {server.url}")
             rcfg = run_config(self.cfg, name, str(self.sft_model), out, url=server.url)
         try:
             rows = await run(rcfg, resume=resume, overwrite=not resume, overlap=True)
