@@ -172,19 +172,28 @@ def rollout_server(cfg: Config, serving: ServingConfig, log_path: Path):
                   flags=[*flags, *serving.flags], env=env)
 
 
-def warm_up(server, cfg: Config) -> None:
-    """Requests with the run's sampling and greedy, logprobs returned, before the run's clock starts: a fresh
-    machine JIT-compiles the sampling kernels at their first use (the first GPU run of ``--serving.engine sglang``:
-    the step-0 rollouts took 62 s, step 1's 1.5 s), which is the server's start, not the run's GPU time."""
+async def warm_up(url: str, cfg: Config) -> None:
+    """Streams as the run drives them -- a 300-token prompt, a turn, an eviction, an observation, a turn over the
+    INT4 prefix -- with the run's sampling and greedy, before the run's clock starts. A fresh machine JIT-compiles
+    kernels at their first use: on the first GPU run of ``--serving.engine sglang`` (2026-12-06) the step-0
+    evaluation stalled 113 s at its first extends over a prefix; that is the server's start, not the run's time."""
     from kvstreams_sglang.engine import SamplingParams
-    from kvstreams_sglang.sglang_ext.client import sglang_sampling_params
+    from kvstreams_sglang.sglang_ext.client import SGLangClient
 
     ep = cfg.orchestrator.episode
-    for temperature in (ep.temperature, 0.0):
-        params = SamplingParams(max_new_tokens=ep.max_new_tokens, temperature=temperature, top_p=ep.top_p,
-                                top_k=ep.top_k, seed=cfg.run.seed)
-        server.post_sync("/generate", dict(input_ids=list(range(1, 65)), sampling_params=sglang_sampling_params(params),
-                                           return_logprob=True))
+    client = SGLangClient(url, kv_dtype=cfg.inference.kv_dtype)
+    try:
+        for temperature in (ep.temperature, 0.0):
+            params = SamplingParams(max_new_tokens=ep.max_new_tokens, temperature=temperature, top_p=ep.top_p,
+                                    top_k=ep.top_k, seed=cfg.run.seed)
+            sid = await client.open([1 + i % 60 for i in range(300)], shared_prefix_len=0)
+            await client.generate(sid, params)
+            await client.evict(sid, [(100, 140)])
+            await client.append(sid, [1 + i % 60 for i in range(40)])
+            await client.generate(sid, params)
+            await client.close(sid)
+    finally:
+        await client.aclose()
 
 
 class LearningBench:
@@ -278,7 +287,7 @@ class LearningBench:
             except BaseException:  # cancelled (SIGTERM: main's unwind_on_sigterm) while the thread waits for it
                 server.stop()
                 raise
-            await asyncio.to_thread(warm_up, server, rcfg)
+            await warm_up(server.url, rcfg)
             start_s = round(time.perf_counter() - t0, 1)
             self.console.print(f"server up and warm in {start_s} s at {server.url}")
             rcfg = run_config(self.cfg, name, str(self.sft_model), out, url=server.url)
