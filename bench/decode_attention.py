@@ -435,10 +435,12 @@ def store_bench(n=262144, hkv=8, d=128, out=None, check=True):
 
 
 # kv4_extend launch shapes timed by --extend-sweep (kernels.extend.ExtendTile: block_r, block_n, num_warps, words);
-# ranked against the first, the default before the sweep (since: kernels.extend.GRID_TILE / SPLIT_TILE)
+# ranked against the first, the default before the sweep (since: kernels.extend.GRID_TILE / SPLIT_TILE). The 256-row
+# tiles (64 tokens x 4 heads) halve the prefix unpacking per query again: long turns (1 x 1,024 new over 8,192) ran
+# at 0.35x FlashInfer BF16 with 128 rows on the H100 (extend_weak_h100.json)
 EXTEND_TILES = tuple(ExtendTile(*t) for t in (
     (64, 64, 4, False), (64, 64, 4, True), (64, 32, 4, True), (64, 128, 4, True), (128, 32, 4, True),
-    (128, 64, 4, True), (128, 64, 8, True), (128, 128, 8, True)))
+    (128, 64, 4, True), (128, 64, 8, True), (128, 128, 8, True), (256, 32, 8, True), (256, 64, 8, True)))
 
 
 EXTEND_SPLITS = (2, 4, 8, 16)  # --extend-sweep: split-K counts timed beside the shipped choice and unsplit

@@ -30,6 +30,23 @@ def test_extend_kernel_matches_reference(prefix, new, hq, hkv, splits, words, de
     assert rel_l2(out, ref) <= 1e-3
 
 
+def test_the_swept_tiles_match_the_reference(device):
+    """Every launch shape ``bench.decode_attention --extend-sweep`` times (``EXTEND_TILES``, 256-row tiles included)
+    computes the reference's attention, so a sweep's fastest tile can become the default."""
+    from bench.decode_attention import EXTEND_TILES
+
+    prefix, new, hq, hkv = [200, 30], [70, 9], 8, 2  # request 0 spans two 32-token blocks of a 128-row tile
+    cache, meta, _ = filled_cache(prefix, hkv=hkv, seed=11, device=device)
+    qo_indptr = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    # bf16 on the GPU, as the server runs (fp32 operands of the big tiles need more shared memory than an H100 has)
+    dtype, tol = (torch.bfloat16, 1e-2) if torch.device(device).type == "cuda" else (torch.float32, 1e-3)
+    q, k_new, v_new = (torch.randn(sum(new), h, 128, device=device).to(dtype) for h in (hq, hkv, hkv))
+    ref = extend_reference(q.double(), k_new.double(), v_new.double(), qo_indptr, cache, **meta)
+    for tile in sorted({t for t in EXTEND_TILES if t.block_r >= 128}):
+        out = kv4_extend(q, k_new, v_new, qo_indptr, cache, **meta, tile=tile)
+        assert rel_l2(out.float(), ref.float()) <= tol, tile
+
+
 def test_extend_splits_fill_the_gpu_within_the_scratch_cap():
     from kvstreams_sglang.kernels.extend import extend_splits
 
