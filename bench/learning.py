@@ -291,12 +291,15 @@ class LearningBench:
             start_s = round(time.perf_counter() - t0, 1)
             self.console.print(f"server up and warm in {start_s} s at {server.url}")
             rcfg = run_config(self.cfg, name, str(self.sft_model), out, url=server.url)
+        host = None
         try:
             rows = await run(rcfg, resume=resume, overwrite=not resume, overlap=True)
+            if server is not None:  # where the server's scheduler spent its host time (seconds per hook)
+                host = await asyncio.to_thread(server.post_sync, "/kvstreams/host_clock", {})
         finally:
             if server is not None:
                 server.stop()
-        record = {"sft_sha256": sft["sft_sha256"], "settings": RUNS[name], "steps": len(rows),
+        record = {"sft_sha256": sft["sft_sha256"], "settings": RUNS[name], "steps": len(rows), "scheduler_host": host,
                   "gpu_s": rows[-1]["gpu_s"] if rows else 0.0, "wall_s": round(time.perf_counter() - t0, 1),
                   "resumed": resume, "engine": self.cfg.serving.engine, "server_start_s": start_s,
                   "server_flags": server.command()[4:] if server is not None else None}

@@ -170,6 +170,7 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
         assert done["engine"] == "sglang" and done["server_start_s"] > 0 and run["steps"] == 2
         assert "--enable-kv-streams" in done["server_flags"] and (kv in done["server_flags"]) == (kv is not None)
         assert "--enable-prefill-delayer" in done["server_flags"]  # the config's [serving] flags: turn batching
+        assert done["scheduler_host"]["match_prefix"]["calls"] > 0  # the server's host time per hook, recorded
         assert [p["step"] for p in run["points"]] == [0, 1, 2]
         rows = (tmp_path / "state" / "runs" / name / "metrics.jsonl").read_text().splitlines()
         last = json.loads(rows[-1])  # the harness's SGLang client served the turns
