@@ -138,15 +138,72 @@ def growth_cost(turns: int = 80, turn: int = 154, prompt: int = 76, merge: bool 
                 last_turns_median_ms=statistics.median(tail) * 1e3)
 
 
+SERVER_HOOKS = ("match_prefix", "cache_unfinished_req", "cache_finished_req")
+
+
+def server_turns(turns: int = 80, turn: int = 150, kv4rl: bool = True, work: Path | None = None) -> list[dict]:
+    """The same growth through a real server: our SGLang server on the CPU (a tiny model), one stream of ``turns``
+    turns of ``turn`` new tokens and 4 sampled ones, nothing evicted; per turn, the scheduler's host time in the
+    stream cache's hooks (``/kvstreams/host_clock`` differenced around the turn)."""
+    import asyncio
+    import tempfile
+
+    from harness.trainer import free_port
+    from kvstreams_sglang.checkpoints.tiny_model import build_tiny_model
+    from kvstreams_sglang.engine import SamplingParams
+    from kvstreams_sglang.sglang_ext.client import SGLangClient
+    from kvstreams_sglang.sglang_ext.host_clock import clock_difference
+
+    from .sglang_servers import OURS, Server, ServerConfig, cpu_flags_env
+
+    work = Path(work or tempfile.mkdtemp(prefix="stream_host_"))
+    model = build_tiny_model(work / "model")
+    flags, env = cpu_flags_env(turns * (turn + 8) + 4096)
+    flags += ["--enable-kv-streams", *(["--kv4rl"] if kv4rl else [])]
+    hooks = SERVER_HOOKS
+    rows = []
+    with Server(ServerConfig("ours", OURS), str(model), free_port(), work / "server.log", flags=flags, env=env) as srv:
+        async def run():
+            client = SGLangClient(srv.url, kv_dtype="kv4rl" if kv4rl else "bf16")
+            params = SamplingParams(max_new_tokens=4, temperature=0.0)
+            try:
+                sid = await client.open([1 + i % 200 for i in range(turn)], shared_prefix_len=0)
+                for t in range(turns):
+                    if t:
+                        await client.append(sid, [1 + (t * 7 + i) % 200 for i in range(turn)])
+                    before = await client._post("/kvstreams/host_clock", {})
+                    await client.generate(sid, params)
+                    after = await client._post("/kvstreams/host_clock", {})
+                    spent = clock_difference(before, after)
+                    rows.append(dict(turn=t, stream_tokens=client.ledger(sid).end,
+                                     **{h: round(spent.get(h, {}).get("ms", 0.0), 3) for h in hooks}))
+            finally:
+                await client.aclose()
+
+        asyncio.run(run())
+    return rows
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--live", default="1000,3500,10000", help="live private tokens per stream, comma-separated")
     ap.add_argument("--turn", type=int, default=200, help="tokens evicted (and appended) per turn")
     ap.add_argument("--growth", default="", help="instead: streams of this many turns without eviction, comma-"
                     "separated, each with and without merging the branch after a turn (``growth_cost``)")
+    ap.add_argument("--server-turns", type=int, default=0, help="instead: one stream of this many turns through our "
+                    "SGLang server on the CPU, the scheduler's host time per hook and turn (``server_turns``)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    if args.growth:
+    if args.server_turns:
+        turns = server_turns(args.server_turns)
+        rows = [dict(stream_tokens_from=part[0]["stream_tokens"], stream_tokens_to=part[-1]["stream_tokens"],
+                     **{f"{h}_median_ms": statistics.median(r[h] for r in part) for h in SERVER_HOOKS},
+                     **{f"{h}_max_ms": max(r[h] for r in part) for h in SERVER_HOOKS})
+                for part in (turns[i: i + 20] for i in range(0, len(turns), 20))]
+        for r in rows:
+            print(r)
+        rows = dict(per_20_turns=rows, turns=turns)
+    elif args.growth:
         rows = [growth_cost(int(n), merge=merge) for n in args.growth.split(",") for merge in (False, True)]
         for r in rows:
             print(f"{r['turns']:>4} turns ({r['stream_tokens']} tokens), merge {r['merge']!s:>5}: "

@@ -249,6 +249,21 @@ print([(r["merge"], r["branch_nodes"]) for r in (growth_cost(30, turn=20, merge=
     assert "[(False, 30), (True, 2)]" in proc.stdout, proc.stdout  # (two nodes wait for the next turn's merge)
 
 
+def test_server_turns_reads_the_schedulers_host_time_per_turn(tmp_path):
+    """``bench.stream_cache_cost --server-turns``: a stream's turns through our CPU server, each with the scheduler's
+    host time in the stream cache's hooks (the GPU profile's per-turn host cost, measurable here)."""
+    code = f"""
+from bench.stream_cache_cost import server_turns
+rows = server_turns(4, turn=30, work={str(tmp_path)!r})
+assert [r["turn"] for r in rows] == [0, 1, 2, 3] and [r["stream_tokens"] for r in rows] == [34, 68, 102, 136], rows
+assert all(r["cache_finished_req"] > 0 and r["match_prefix"] > 0 for r in rows), rows
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=sglang_env(), cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
 @pytest.mark.parametrize("run", ["bf16_run", "kv4_run"])
 def test_invalid_spans_are_rejected_and_change_nothing(run, request):
     r = request.getfixturevalue(run)
