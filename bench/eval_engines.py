@@ -65,9 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--config", required=True, help="TOML: the harness's sections (a learning or demo config)")
     ap.add_argument("--model", required=True, help="the checkpoint (a directory with its tokenizer)")
     ap.add_argument("--out", type=Path, help="JSON report (atomic)")
+    ap.add_argument("--server-log", type=Path, default=Path("runs/eval_engines/server.log"))
     own, overrides = ap.parse_known_args(argv)
     cfg = load_config(own.config, overrides, schema=LearningConfig)
-    log = (own.out or Path("runs/eval_engines/x.json")).with_suffix(".server.log")
+    log = own.server_log
     log.parent.mkdir(parents=True, exist_ok=True)
     results, played = {}, {}
     for engine in ("builtin", "sglang"):

@@ -208,6 +208,7 @@ def test_eval_engines_plays_the_held_out_games_on_both_engines(tiny_model_path, 
 
     out = tmp_path / "report.json"
     report = main(["--config", "configs/demo_textworld.toml", "--model", str(tiny_model_path), "--out", str(out),
+                   "--server-log", str(tmp_path / "server.log"),
                    "--environment.options", f'{{presets = ["easy"], n_train = 2, n_eval = 3, max_steps = 3, '
                    f'cache_dir = "{tmp_path / "games"}", progress = false}}', "--environment.num_eval", "3",
                    "--serving.max_total_tokens", "16384", "--inference.max_streams", "8",
