@@ -295,7 +295,7 @@ class LearningBench:
         try:
             rows = await run(rcfg, resume=resume, overwrite=not resume, overlap=True)
             if server is not None:  # where the server's scheduler spent its host time (seconds per hook)
-                host = await asyncio.to_thread(server.post_sync, "/kvstreams/host_clock", {})
+                host = await asyncio.to_thread(server.host_clock)
         finally:
             if server is not None:
                 server.stop()

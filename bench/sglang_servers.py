@@ -266,6 +266,10 @@ class Server:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read() or b"null")
 
+    def host_clock(self) -> dict:
+        """Ours: the scheduler's host time so far per hook (``/kvstreams/host_clock``; difference two reads)."""
+        return self.post_sync("/kvstreams/host_clock", {}, timeout=60)
+
     def server_info(self) -> dict:
         return self._get("/server_info")
 

@@ -160,7 +160,6 @@ def server_turns(turns: int = 80, turn: int = 150, kv4rl: bool = True, work: Pat
     model = build_tiny_model(work / "model")
     flags, env = cpu_flags_env(turns * (turn + 8) + 4096)
     flags += ["--enable-kv-streams", *(["--kv4rl"] if kv4rl else [])]
-    hooks = SERVER_HOOKS
     rows = []
     with Server(ServerConfig("ours", OURS), str(model), free_port(), work / "server.log", flags=flags, env=env) as srv:
         async def run():
@@ -171,12 +170,12 @@ def server_turns(turns: int = 80, turn: int = 150, kv4rl: bool = True, work: Pat
                 for t in range(turns):
                     if t:
                         await client.append(sid, [1 + (t * 7 + i) % 200 for i in range(turn)])
-                    before = await client._post("/kvstreams/host_clock", {})
+                    before = await client.host_clock()
                     await client.generate(sid, params)
-                    after = await client._post("/kvstreams/host_clock", {})
+                    after = await client.host_clock()
                     spent = clock_difference(before, after)
                     rows.append(dict(turn=t, stream_tokens=client.ledger(sid).end,
-                                     **{h: round(spent.get(h, {}).get("ms", 0.0), 3) for h in hooks}))
+                                     **{h: round(spent.get(h, {}).get("ms", 0.0), 3) for h in SERVER_HOOKS}))
             finally:
                 await client.aclose()
 

@@ -499,3 +499,7 @@ class SGLangClient(_Streams):
 
     async def pool_info(self) -> dict:
         return await self._post("/kvstreams/pool_info", {})
+
+    async def host_clock(self) -> dict:
+        """The scheduler's host time so far per hook (``host_clock``; difference two reads)."""
+        return await self._post("/kvstreams/host_clock", {})
