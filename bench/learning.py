@@ -3,7 +3,9 @@ KV-streams + kv4rl vs re-prefill + BF16 vs full context + BF16, all from one SFT
 
 Stages, each skipped when an earlier call finished it (state under ``--out-dir``):
 
-1. ``sft``: the tokenizer (byte-level BPE learnt on the train split's expert episodes) and the random Qwen3
+1. ``expert`` (no GPU; ``sft`` does it too when it has not been done): the games, the tokenizer, the model and the
+   SFT's expert episodes. A CPU box can play them before a device call: ``bash bench/device/sft_inputs.sh ENV``.
+   ``sft``: the tokenizer (byte-level BPE learnt on the train split's expert episodes) and the random Qwen3
    model (``[model.tiny]``, ``harness.run.prepare_model``), then SFT on expert episodes rendered under each
    run's compaction (``harness.sft.warm_start``: one checkpoint for all three; trained on KV-streams contexts
    alone, the first H200 run's SFT model won 42/64 held-out games under KV-streams and 0/64 under
@@ -30,7 +32,8 @@ from an earlier stage of the same machine, or SFT is done again (same seed, same
 sha256 of the checkpoint it started from and the report says whether the three match.
 
     python -m bench.learning --config configs/textworld/gpu_small.toml --out-dir runs/learning/textworld \\
-        [--stage all|sft|kv_streams|reprefill|full_context|fidelity|report ...] [--json PATH] [--section.key value ...]
+        [--stage all|expert|sft|kv_streams|reprefill|full_context|fidelity|report ...] [--json PATH] \\
+        [--section.key value ...]
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ RUNS: dict[str, dict[str, str]] = {
     "reprefill": {"compaction.execution": "reprefill", "inference.kv_dtype": "bf16"},
     "full_context": {"compaction.strategy": "full_context", "inference.kv_dtype": "bf16"},
 }
-STAGES = ("sft", *RUNS, "fidelity")
+STAGES = ("expert", "sft", *RUNS, "fidelity")
 
 
 class TargetsConfig(Section):
@@ -208,10 +211,42 @@ class LearningBench:
         self.console = console or Console()
         self.device = resolve_device(cfg.inference.device)
 
+    def stage_done(self, stage: str) -> bool:
+        if stage == "expert":
+            return (self.out / "sft" / "expert_episodes.pt").exists()
+        return (self.out / (f"runs/{stage}" if stage in RUNS else stage) / "done.json").exists()
+
     # --- stage 1 ---------------------------------------------------------------------------------------
     @property
     def sft_model(self) -> Path:
         return self.out / "sft" / "model"
+
+    async def expert(self) -> None:
+        """The games, the tokenizer, the model and the SFT's expert episodes (``sft/expert_episodes.pt``), without
+        training: no GPU needed. A CPU box plays them before a device call (``bench/device/sft_inputs.sh``), and
+        the device's SFT uses them when its tokenizer is the same (``harness.sft.sft_key``)."""
+        from transformers import AutoTokenizer
+
+        from envs.registry import make_taskset
+        from envs.rollout.chat import ChatRenderer
+        from harness.run import prepare_model
+        from harness.sft import expert_episodes
+
+        if read_json(self.out / "sft" / "done.json") is not None:
+            return  # SFT is done: its episodes are not needed any more
+        torch.manual_seed(self.cfg.run.seed)
+        self.out.mkdir(parents=True, exist_ok=True)
+        base = prepare_model(self.cfg, self.out)
+        e = self.cfg.environment
+        taskset = make_taskset(e.name, e.options)
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(base), taskset.make_env().system_prompt)
+        try:
+            await expert_episodes(self.cfg, self.cfg.sft, base, taskset, renderer, self.out / "sft",
+                                  self.renderings(base), console=self.console)
+        finally:
+            close = getattr(taskset, "close", None)
+            if close is not None:
+                close()
 
     async def sft(self) -> dict:
         """Tokenizer, model and SFT; ``sft/done.json`` (hashes, steps, losses, seconds). Kept when done and its
@@ -375,8 +410,7 @@ class LearningBench:
                        "sglang (a kvstreams_sglang.launch_server per run, held-out games on it too)"),
             "gpu_seconds": "wall seconds of each run's RL steps on the one device (rollouts and training, "
                            "overlapped; weight syncs; drains before evaluations); held-out evaluation excluded",
-            "stages_done": [s for s in STAGES if (self.out / (f"runs/{s}" if s in RUNS else s) /
-                                                 "done.json").exists()],
+            "stages_done": [s for s in STAGES if self.stage_done(s)],
             "commands": commands,
             "config": self.cfg.model_dump(mode="json"),
             "checkpoints": {"base_sha256": (sft or {}).get("base_sha256"), "sft_sha256": (sft or {}).get("sft_sha256"),
@@ -518,7 +552,8 @@ async def main_async(args: argparse.Namespace, cfg: LearningConfig, command: str
         for stage in stages:
             if stage == "fidelity" and not cfg.fidelity.lengths:
                 continue
-            await (bench.sft() if stage == "sft" else bench.fidelity() if stage == "fidelity" else bench.rl(stage))
+            await (bench.expert() if stage == "expert" else bench.sft() if stage == "sft"
+                   else bench.fidelity() if stage == "fidelity" else bench.rl(stage))
             bench.report(json_path, commands)
     finally:
         report = bench.report(json_path, commands)

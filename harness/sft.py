@@ -317,12 +317,60 @@ def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[Compac
     import hashlib
     import json
 
-    # not the step cap (a longer run continues a shorter one), nor the processes playing the episodes
+    # not the step cap (a longer run continues a shorter one), nor the processes playing the episodes; the
+    # tokenizer's files, not only the base's path: the records are token ids, and episodes played on another
+    # machine (a CPU box, for the device: bench.learning's expert stage) must have been tokenized the same way
+    vocab = Path(base_path) / "tokenizer.json"  # its vocabulary, merges and specials; not the writers' versions
+    tokenizer = None
+    if vocab.exists():
+        t = json.loads(vocab.read_text())
+        tokenizer = hashlib.sha256(json.dumps([t.get("model"), t.get("added_tokens")], sort_keys=True).encode()
+                                   ).hexdigest()
     what = {"sft": sft.model_dump(mode="json", exclude={"steps", "expert_workers"}),
             "renderings": [c.model_dump(mode="json") for c in renderings],
             "environment": cfg.environment.model_dump(mode="json"), "seed": cfg.run.seed,
-            "episode": cfg.orchestrator.episode.model_dump(mode="json"), "base": str(base_path)}
+            "episode": cfg.orchestrator.episode.model_dump(mode="json"), "base": str(base_path),
+            "tokenizer": tokenizer}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskSet, renderer: ChatRenderer,
+                          out: Path, renderings: list[CompactionConfig], *, console=None) -> tuple[list, list, str]:
+    """The SFT's expert episodes, per rendering (each a list of episodes, each its records), the probe's records
+    per rendering, and their ``sft_key``: from ``out/expert_episodes.pt`` when its key matches, else played
+    (``sft.episodes`` train games and ``sft.probe_episodes`` eval games under each rendering) and saved there."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from . import checkpoint
+
+    console = console or Console()
+    key = sft_key(cfg, sft, base_path, renderings)
+    out.mkdir(parents=True, exist_ok=True)
+    cache = out / "expert_episodes.pt"
+    cached = torch.load(cache, weights_only=False) if cache.exists() else None
+    if cached is not None and cached.get("key") == key:
+        console.print(f"expert episodes from {cache}")
+        return cached["episodes"], cached["probe"], key
+    if cached is not None:
+        console.print(f"{cache} is for another config or tokenizer: playing the expert episodes again")
+    ep_cfg = episode_config(cfg, temperature=1.0)
+    workers = sft.expert_workers or usable_cpus()
+    with Progress(transient=True, console=console) as progress:
+        bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
+        episodes, probe = [], []  # episodes: per rendering, per episode, its records; probe: per rendering
+        for compaction in renderings:
+            episodes.append(await expert_records(taskset, renderer, compaction, ep_cfg, sft,
+                                                 split=cfg.environment.train_split, seed=cfg.run.seed,
+                                                 on_episode=lambda: progress.advance(bar), workers=workers))
+            probe.append([r for ep in await expert_records(
+                taskset, renderer, compaction, ep_cfg, sft.model_copy(update={"episodes": sft.probe_episodes}),
+                split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
+                on_episode=lambda: progress.advance(bar), workers=workers) for r in ep])
+    buf = io.BytesIO()
+    torch.save({"key": key, "episodes": episodes, "probe": probe}, buf)
+    checkpoint.atomic_write_bytes(cache, buf.getvalue())
+    return episodes, probe, key
 
 
 async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskSet, renderer: ChatRenderer,
@@ -347,31 +395,10 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
     from . import checkpoint
 
     console = console or Console()
-    ep_cfg = episode_config(cfg, temperature=1.0)
     renderings = compactions or [cfg.compaction]
-    key = sft_key(cfg, sft, base_path, renderings)
-    out.mkdir(parents=True, exist_ok=True)
-    cache, ckpt_dir = out / "expert_episodes.pt", out / "checkpoints"
-    cached = torch.load(cache, weights_only=False) if cache.exists() else None
-    if cached is not None and cached.get("key") == key:
-        episodes, probe = cached["episodes"], cached["probe"]
-        console.print(f"expert episodes from {cache}")
-    else:
-        workers = sft.expert_workers or usable_cpus()
-        with Progress(transient=True, console=console) as progress:
-            bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
-            episodes, probe = [], []  # episodes: per rendering, per episode, its records; probe: per rendering
-            for compaction in renderings:
-                episodes.append(await expert_records(taskset, renderer, compaction, ep_cfg, sft,
-                                                     split=cfg.environment.train_split, seed=cfg.run.seed,
-                                                     on_episode=lambda: progress.advance(bar), workers=workers))
-                probe.append([r for ep in await expert_records(
-                    taskset, renderer, compaction, ep_cfg, sft.model_copy(update={"episodes": sft.probe_episodes}),
-                    split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
-                    on_episode=lambda: progress.advance(bar), workers=workers) for r in ep])
-        buf = io.BytesIO()
-        torch.save({"key": key, "episodes": episodes, "probe": probe}, buf)
-        checkpoint.atomic_write_bytes(cache, buf.getvalue())
+    episodes, probe, key = await expert_episodes(cfg, sft, base_path, taskset, renderer, out, renderings,
+                                                 console=console)
+    ckpt_dir = out / "checkpoints"
     records = [r for rendering in episodes for ep in rendering for r in ep]
     compacted = sum(1 for r in records if r.evictions)
     command_tokens = sum(sum(r.loss_mask) for r in records)

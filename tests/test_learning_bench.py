@@ -65,7 +65,7 @@ def test_three_runs_from_one_sft_checkpoint_with_points_and_targets(bench_state)
 
 def test_a_second_call_skips_every_finished_stage(bench_state):
     out, games, first = bench_state
-    done = sorted(out.glob("**/done.json"))
+    done = sorted(out.glob("**/done.json")) + [out / "sft" / "expert_episodes.pt"]  # the expert stage's output
     stamps = {p: p.stat().st_mtime_ns for p in done}
     args, cfg = tiny_args(out, games)
     report = asyncio.run(main_async(args, cfg, "second call"))
@@ -135,6 +135,43 @@ def test_a_cut_sft_resumes_from_its_last_check(bench_state, tmp_path):
     assert [p.stat().st_mtime_ns for p in kept] == stamps  # resumed, not redone
     assert report["sft"]["steps"] == 2
     assert report["checkpoints"]["sft_sha256"] == first["checkpoints"]["sft_sha256"]
+
+
+def test_expert_episodes_played_on_another_machine_serve_its_sft_when_the_tokenizer_matches(bench_state, tmp_path):
+    """The expert stage (a CPU box, before the device calls: bench/device/sft_inputs.sh) plays the games and the
+    expert episodes without training; the model does not travel, so the device builds it again, and its SFT uses
+    those episodes as long as the rebuilt tokenizer is the same -- a different one plays them again."""
+    import shutil
+
+    from harness.sft import sft_key
+
+    _, games, first = bench_state
+    args, cfg = tiny_args(tmp_path, games, "expert")
+    report = asyncio.run(main_async(args, cfg, "expert stage on a CPU box"))
+    episodes = tmp_path / "sft" / "expert_episodes.pt"
+    assert report["stages_done"] == ["expert"] and report["sft"] is None
+    assert not (tmp_path / "sft" / "model").exists()
+    stamp = episodes.stat().st_mtime_ns
+    shutil.rmtree(tmp_path / "model")  # the device builds its own (same seed, same corpus)
+    args, cfg = tiny_args(tmp_path, games, "sft")
+    report = asyncio.run(main_async(args, cfg, "SFT on the device"))
+    assert episodes.stat().st_mtime_ns == stamp  # used, not played again
+    assert report["checkpoints"]["sft_sha256"] == first["checkpoints"]["sft_sha256"]
+
+    from bench.learning import LearningBench
+
+    base = tmp_path / "model"
+    renderings = LearningBench(cfg, tmp_path).renderings(str(base))
+    key = sft_key(cfg, cfg.sft, str(base), renderings)
+    tokenizer = json.loads((base / "tokenizer.json").read_text())
+    tokenizer["version"] = "written by another release"  # not the vocabulary: the same token ids
+    (base / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert sft_key(cfg, cfg.sft, str(base), renderings) == key
+    vocab = tokenizer["model"]["vocab"]
+    a, b = list(vocab)[-2:]
+    vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped: every record would mean something else
+    (base / "tokenizer.json").write_text(json.dumps(tokenizer))
+    assert sft_key(cfg, cfg.sft, str(base), renderings) != key
 
 
 def test_sampler_fidelity_at_length_of_the_sft_checkpoint(bench_state):

@@ -1,0 +1,18 @@
+#!/bin/bash
+# On a CPU box, before the device calls of the learning bench: play what its SFT needs and needs no GPU -- the
+# games, the tokenizer and the expert episodes under every run's rendering (`bench.learning --stage expert`; ~5 min
+# of the device's first call) -- and pack them as .devlearn/ENV_sft_inputs.tar.xz. Carry .devlearn with the call:
+# learning_check.sh unpacks it into /tmp, and the device's SFT uses the episodes if its own tokenizer comes out the
+# same (harness.sft.sft_key hashes it; otherwise it plays them again). Paths are the device's (/tmp/learning/ENV,
+# /tmp/kvstreams_cache): the key holds the base model's path.
+#   bash bench/device/sft_inputs.sh textworld [--section.key value ...]
+set -eo pipefail
+ENV=$1; shift || true
+case $ENV in textworld|alfworld) ;; *) echo "usage: bash bench/device/sft_inputs.sh textworld|alfworld"; exit 2 ;; esac
+PY=${PYTHON:-.venv/bin/python}
+KVSTREAMS_CACHE=/tmp/kvstreams_cache $PY -m bench.learning --config "configs/$ENV/gpu_small.toml" \
+  --out-dir "/tmp/learning/$ENV" --json "/tmp/learning/$ENV/expert_report.json" --stage expert \
+  --inference.device cpu "$@"
+mkdir -p .devlearn
+tar -cJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp kvstreams_cache "learning/$ENV/sft/expert_episodes.pt"
+ls -la ".devlearn/${ENV}_sft_inputs.tar.xz"
