@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import hashlib
 import json
@@ -221,41 +222,43 @@ class LearningBench:
     def sft_model(self) -> Path:
         return self.out / "sft" / "model"
 
-    async def expert(self) -> None:
-        """The games, the tokenizer, the model and the SFT's expert episodes (``sft/expert_episodes.pt``), without
-        training: no GPU needed. A CPU box plays them before a device call (``bench/device/sft_inputs.sh``), and
-        the device's SFT uses them when its tokenizer is the same (``harness.sft.sft_key``)."""
+    @contextlib.contextmanager
+    def base_and_games(self):
+        """The base model (built here the first time: tokenizer and random weights), the environment's taskset and
+        the chat renderer; the taskset closed after."""
         from transformers import AutoTokenizer
 
         from envs.registry import make_taskset
         from envs.rollout.chat import ChatRenderer
         from harness.run import prepare_model
-        from harness.sft import expert_episodes
 
-        if read_json(self.out / "sft" / "done.json") is not None:
-            return  # SFT is done: its episodes are not needed any more
         torch.manual_seed(self.cfg.run.seed)
         self.out.mkdir(parents=True, exist_ok=True)
         base = prepare_model(self.cfg, self.out)
         e = self.cfg.environment
         taskset = make_taskset(e.name, e.options)
-        renderer = ChatRenderer(AutoTokenizer.from_pretrained(base), taskset.make_env().system_prompt)
         try:
-            await expert_episodes(self.cfg, self.cfg.sft, base, taskset, renderer, self.out / "sft",
-                                  self.renderings(base), console=self.console)
+            yield base, taskset, ChatRenderer(AutoTokenizer.from_pretrained(base), taskset.make_env().system_prompt)
         finally:
             close = getattr(taskset, "close", None)
             if close is not None:
                 close()
 
+    async def expert(self) -> None:
+        """The games, the tokenizer, the model and the SFT's expert episodes (``sft/expert_episodes.pt``), without
+        training: no GPU needed. A CPU box plays them before a device call (``bench/device/sft_inputs.sh``), and
+        the device's SFT uses them when its tokenizer is the same (``harness.sft.sft_key``)."""
+        from harness.sft import expert_episodes
+
+        if read_json(self.out / "sft" / "done.json") is not None:
+            return  # SFT is done: its episodes are not needed any more
+        with self.base_and_games() as (base, taskset, renderer):
+            await expert_episodes(self.cfg, self.cfg.sft, base, taskset, renderer, self.out / "sft",
+                                  self.renderings(base), console=self.console)
+
     async def sft(self) -> dict:
         """Tokenizer, model and SFT; ``sft/done.json`` (hashes, steps, losses, seconds). Kept when done and its
         checkpoint is here; done again when only the record came back (another machine)."""
-        from transformers import AutoTokenizer
-
-        from envs.registry import make_taskset
-        from envs.rollout.chat import ChatRenderer
-        from harness.run import prepare_model
         from harness.sft import warm_start
 
         done = read_json(self.out / "sft" / "done.json")
@@ -264,18 +267,10 @@ class LearningBench:
         self.console.rule("[bold]SFT: tokenizer, model, expert episodes" + (" (again: no checkpoint here)"
                                                                            if done else ""))
         t0 = time.perf_counter()
-        torch.manual_seed(self.cfg.run.seed)
-        self.out.mkdir(parents=True, exist_ok=True)
-        base = prepare_model(self.cfg, self.out)
-        e = self.cfg.environment
-        taskset = make_taskset(e.name, e.options)
-        renderer = ChatRenderer(AutoTokenizer.from_pretrained(base), taskset.make_env().system_prompt)
-        t_model = time.perf_counter() - t0
-        ws = await warm_start(self.cfg, self.cfg.sft, base, taskset, renderer, self.device, self.out / "sft",
-                              console=self.console, compactions=self.renderings(base))
-        close = getattr(taskset, "close", None)
-        if close is not None:
-            close()
+        with self.base_and_games() as (base, taskset, renderer):
+            t_model = time.perf_counter() - t0
+            ws = await warm_start(self.cfg, self.cfg.sft, base, taskset, renderer, self.device, self.out / "sft",
+                                  console=self.console, compactions=self.renderings(base))
         record = {**asdict(ws), "base_sha256": tree_sha256(base), "sft_sha256": tree_sha256(ws.model_path),
                   "parameters": parameter_count(base), "model_and_games_s": round(t_model, 1),
                   "seconds": round(time.perf_counter() - t0, 1),
