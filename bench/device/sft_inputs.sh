@@ -1,7 +1,9 @@
 #!/bin/bash
 # On a CPU box, before the device calls of the learning bench: play what its SFT needs and needs no GPU -- the
-# games, the tokenizer and the expert episodes under every run's rendering (`bench.learning --stage expert`; ~5 min
-# of the device's first call) -- and pack them as .devlearn/ENV_sft_inputs.tar.xz. Carry .devlearn with the call:
+# games, the tokenizer and the expert episodes under every run's rendering (`bench.learning --stage expert`; 5 min
+# on 2 cores here) -- and pack the episodes as .devlearn/ENV_sft_inputs.tar.xz (TextWorld: 0.9 MB; the games, 2.8 MB
+# more, do not fit one carry beside the SGLang bundle: the device generates them again, the same from the same
+# seeds, in about a minute). Carry .devlearn with the call:
 # learning_check.sh unpacks it into /tmp, and the device's SFT uses the episodes if its own tokenizer comes out the
 # same (harness.sft.sft_key hashes it; otherwise it plays them again). Paths are the device's (/tmp/learning/ENV,
 # /tmp/kvstreams_cache): the key holds the base model's path.
@@ -14,5 +16,5 @@ KVSTREAMS_CACHE=/tmp/kvstreams_cache $PY -m bench.learning --config "configs/$EN
   --out-dir "/tmp/learning/$ENV" --json "/tmp/learning/$ENV/expert_report.json" --stage expert \
   --inference.device cpu "$@"
 mkdir -p .devlearn
-tar -cJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp kvstreams_cache "learning/$ENV/sft/expert_episodes.pt"
+XZ_OPT=-9e tar -cJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp "learning/$ENV/sft/expert_episodes.pt"
 ls -la ".devlearn/${ENV}_sft_inputs.tar.xz"
