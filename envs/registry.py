@@ -36,7 +36,18 @@ def options_model(name: str) -> type[BaseModel]:
     raise ValueError(f"unknown environment {name!r}: expected one of {', '.join(NAMES)}")
 
 
-def make_taskset(name: str, options: dict[str, Any] | None = None) -> TaskSet:
+def make_taskset(name: str, options: dict[str, Any] | None = None, *, processes: int = 0) -> TaskSet:
+    """Environment ``name``'s task set; ``processes`` > 0: its environments live in that many worker processes
+    (``rollout.env_processes``; close the task set when done)."""
+    taskset = _make_taskset(name, options)
+    if processes:
+        from .rollout.env_processes import ProcessTaskSet
+
+        return ProcessTaskSet(taskset, processes)
+    return taskset
+
+
+def _make_taskset(name: str, options: dict[str, Any] | None) -> TaskSet:
     opts = options_model(name).model_validate(options or {})
     if name == "toy":
         from .toy import CorridorTasks

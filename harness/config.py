@@ -96,6 +96,8 @@ class EnvironmentConfig(Section):
     train_split: str = "train"
     eval_split: str = "eval"
     num_eval: int = Field(16, ge=0)
+    processes: int = Field(0, ge=0, description="step the environments in this many worker processes (0: in the "
+                           "harness's own): one process steps ~200 TextWorld turns/s at most, whatever the GPU")
 
     @field_validator("options")
     @classmethod

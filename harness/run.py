@@ -190,9 +190,6 @@ async def sync_weights(inference, trainer: TrainerRanks, orch: Orchestrator, ver
 
 async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, overlap: bool = True) -> list[dict]:
     """Rank 0 (or the only process): orchestrator, engine and the trainer group's lead."""
-    from rich.progress import Progress
-    from transformers import AutoTokenizer
-
     out = Path(cfg.run.output_dir)
     claim_output_dir(out, resume=resume, overwrite=overwrite)
     trainer_rank0, model_path, state = build_trainer(cfg, resume=resume)
@@ -202,8 +199,24 @@ async def run(cfg: Config, *, resume: bool = False, overwrite: bool = False, ove
         torch.cuda.set_device(device)  # this thread drives the engine
     inference = make_inference(cfg.inference, model_path, device, out)
     await inference.start()
-    taskset = make_taskset(cfg.environment.name, cfg.environment.options)
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), taskset.make_env().system_prompt)
+    taskset = make_taskset(cfg.environment.name, cfg.environment.options, processes=cfg.environment.processes)
+    try:
+        return await _train(cfg, out, trainer, model_path, state, device, inference, taskset, overlap)
+    finally:
+        close = getattr(taskset, "close", None)
+        if close is not None:
+            close()
+
+
+async def _train(cfg: Config, out: Path, trainer, model_path: str, state, device, inference, taskset,
+                 overlap: bool) -> list[dict]:
+    """``run``'s loop, once the trainer, the engine and the task set are up."""
+    from rich.progress import Progress
+    from transformers import AutoTokenizer
+
+    env = taskset.make_env()
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path), env.system_prompt)
+    env.close()
     orch = Orchestrator(cfg.orchestrator, cfg.compaction, inference.client, taskset, renderer,
                         split=cfg.environment.train_split, seed=cfg.run.seed)
     metrics = MetricsLog(out / "metrics.jsonl")

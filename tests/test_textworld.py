@@ -87,6 +87,34 @@ def test_expert_wins_every_game_of_the_sample(sample):
     assert min(steps_by_preset["xlong"]) >= 30
 
 
+def test_games_in_worker_processes_play_as_in_this_one(sample):
+    """``environment.processes``: each game lives in a worker process (``envs.rollout.env_processes``), played
+    through the same protocol -- the expert's commands give the same observations, rewards and end as here."""
+    from envs.rollout.env_processes import ProcessTaskSet, RemoteEnv
+
+    taskset, tasks, _ = sample
+    remote_set = ProcessTaskSet(taskset, 2)
+    try:
+        for task in tasks[:4]:
+            here, there = taskset.make_env(expert=True), remote_set.make_env(expert=True)
+            assert isinstance(there, RemoteEnv) and there.system_prompt == here.system_prompt
+            assert there.reset(task) == here.reset(task)
+            while True:
+                action = here.expert_action()
+                assert there.expert_action() == action
+                a, b = here.step(action), there.step(action)
+                assert (a.observation, a.reward, a.done, a.info) == (b.observation, b.reward, b.done, b.info)
+                if a.done:
+                    break
+            assert a.info["won"]
+            here.close()
+            there.close()
+        assert sorted(w.envs for w in remote_set.workers) == [0, 0]  # closed there too
+    finally:
+        remote_set.close()
+    assert not any(w.process.is_alive() for w in remote_set.workers)
+
+
 def test_the_same_seed_makes_the_same_game_bytes(sample, tmp_path):
     """Regenerated alone, in a new process, a game is byte for byte the one the batch made
     (where its process had made other presets' games first)."""

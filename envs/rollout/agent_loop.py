@@ -196,10 +196,13 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
     sampling = SamplingParams(temperature=config.temperature, top_p=config.top_p, top_k=config.top_k, seed=seed)
     conv = StreamConversation(client, renderer, sampling, stats)
     strategy = make_strategy(compaction)
+    # an environment in a worker process (rollout.env_processes) is waited for off the loop, whatever the config
+    threaded = config.env_in_thread or getattr(env, "in_another_process", False)
+
     async def call(fn, *args):
         t0 = time.perf_counter()
         try:
-            return await asyncio.to_thread(fn, *args) if config.env_in_thread else fn(*args)
+            return await asyncio.to_thread(fn, *args) if threaded else fn(*args)
         finally:
             stats.env_s += time.perf_counter() - t0
 
@@ -244,7 +247,7 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
             stats.grade_s += float(result.info.get("grade_s", 0.0))
             reward += result.reward
             won = bool(result.info.get("won", result.reward > 0))
-    env.close()
+    await call(env.close)
     meta = dict(task_id=task.task_id, reward=reward, won=won, strategy=compaction.strategy,
                 execution=compaction.execution, stats=stats.as_dict())
     records = await conv.finish(**meta)
