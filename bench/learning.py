@@ -172,6 +172,9 @@ def rollout_server(cfg: Config, serving: ServingConfig, log_path: Path):
         # many tokens, and the rest of the share stays free for the trainer
         flags += ["--mem-fraction-static", str(serving.mem_fraction_static), "--max-total-tokens", str(i.kv_slots),
                   "--dtype", "bfloat16"]  # as the trainer and the built-in engine (auto: fp16 for fp32 checkpoints)
+        if i.kv_dtype == "bf16":  # FlashInfer, as the rollout bench's bf16 servers: SGLang's Hopper default, FA3,
+            # is not in the device's sglang-kernel (sm90 common_ops only: the first bf16 run died importing it)
+            flags += ["--attention-backend", "flashinfer"]
     return Server(ServerConfig(log_path.stem, OURS), cfg.model.path, free_port(), log_path,
                   flags=[*flags, *serving.flags], env=env)
 

@@ -326,7 +326,10 @@ def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[Compac
         t = json.loads(vocab.read_text())
         tokenizer = hashlib.sha256(json.dumps([t.get("model"), t.get("added_tokens")], sort_keys=True).encode()
                                    ).hexdigest()
-    what = {"sft": sft.model_dump(mode="json", exclude={"steps", "expert_workers"}),
+    # nor when the early stop looks (stop_train_win_rate, check_every, check_games): it decides where SFT ends, not
+    # what a step trains on
+    what = {"sft": sft.model_dump(mode="json", exclude={"steps", "expert_workers", "stop_train_win_rate",
+                                                        "check_every", "check_games"}),
             "renderings": [c.model_dump(mode="json") for c in renderings],
             "environment": cfg.environment.model_dump(mode="json"), "seed": cfg.run.seed,
             "episode": cfg.orchestrator.episode.model_dump(mode="json"), "base": str(base_path),

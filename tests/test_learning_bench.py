@@ -19,7 +19,7 @@ def tiny_args(out, games, *stage):
             "--inference.device", "cpu", "--inference.kv_slots", "8192", "--inference.max_streams", "8",
             "--environment.options", f'{{presets = ["easy"], n_train = 4, n_eval = 2, max_steps = 4, '
                                      f'cache_dir = "{games}", progress = false}}',
-            "--environment.num_eval", "2",
+            "--environment.num_eval", "2", "--environment.processes", "0",  # workers: tests/test_env_processes.py
             "--compaction.window_turns", "2",
             "--orchestrator.group_size", "2", "--orchestrator.groups_per_step", "1",
             "--orchestrator.oversubscription", "1", "--orchestrator.episode.max_turns", "4",
@@ -234,6 +234,9 @@ def test_a_gpu_runs_server_holds_the_builtin_engines_kv_budget(tmp_path):
         assert ("--kv4rl" in flags) == kv4rl and "--enable-kv-streams" in flags
         assert flags[flags.index("--dtype") + 1] == "bfloat16"  # the trainer's; auto would run fp32 weights in fp16
         assert flags[flags.index("--context-length") + 1] == "4096"  # not 8192 + a turn: SGLang would refuse it
+        # bf16 KV on FlashInfer (the device's sglang-kernel has no FA3, SGLang's Hopper default); kv4rl on ours
+        assert ("--attention-backend" in flags) == (not kv4rl)
+        assert kv4rl or flags[flags.index("--attention-backend") + 1] == "flashinfer"
 
 
 def test_eval_engines_plays_the_held_out_games_on_both_engines(tiny_model_path, tmp_path):
