@@ -59,6 +59,32 @@ def test_a_worker_raises_the_environments_error_where_the_call_was_made():
         env.step("left")
 
 
+class SlowCorridor(CorridorTasks):
+    """The corridor, whose steps take a second: long enough to kill its worker during one."""
+
+    def make_env(self, expert: bool = False):
+        import time
+
+        env = super().make_env(expert)
+        step = env.step
+        env.step = lambda action: (time.sleep(1.0), step(action))[1]
+        return env
+
+
+def test_a_worker_killed_during_a_call_is_an_error_there_not_a_hang():
+    import threading
+
+    remote = ProcessTaskSet(SlowCorridor(), 1)
+    try:
+        env = remote.make_env()
+        env.reset(Task("train-0", "train"))
+        threading.Timer(0.3, remote.workers[0].process.kill).start()
+        with pytest.raises(EnvProcessError, match="exited during step"):
+            env.step("left")
+    finally:
+        remote.close()
+
+
 def test_optional_hooks_are_forwarded_only_where_the_environment_has_them():
     remote = ProcessTaskSet(BudgetedCorridor(), 1)
     try:

@@ -68,8 +68,13 @@ class _Worker:
             if not self.process.is_alive():
                 raise EnvProcessError(f"environment worker {self.process.pid} exited "
                                       f"(code {self.process.exitcode})")
-            self.conn.send((op, env_id, args))
-            ok, out = self.conn.recv()
+            try:
+                self.conn.send((op, env_id, args))
+                ok, out = self.conn.recv()
+            except (EOFError, OSError) as e:  # it died during the call (killed, out of memory)
+                self.process.join(timeout=5)
+                raise EnvProcessError(f"environment worker {self.process.pid} exited during {op} "
+                                      f"(code {self.process.exitcode})") from e
         if not ok:
             name, message, tb = out
             raise EnvProcessError(f"{name}: {message} (in environment worker {self.process.pid})\n{tb}")
