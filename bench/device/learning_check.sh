@@ -49,9 +49,9 @@ STATE=/tmp/learning/$ENV
 if [ ! -d "$STATE" ] && [ -f ".devlearn/learning_${ENV}_state.tar.xz" ]; then
   mkdir -p "$STATE" && tar -xJf ".devlearn/learning_${ENV}_state.tar.xz" -C "$STATE" && echo "state restored"
 fi
-# the games and the SFT's expert episodes played on a CPU box (bash bench/device/sft_inputs.sh ENV; carry .devlearn)
+# the SFT's expert episodes played on a CPU box (bash bench/device/sft_inputs.sh ENV; carry .devlearn)
 if [ -f ".devlearn/${ENV}_sft_inputs.tar.xz" ] && [ ! -f "$STATE/sft/expert_episodes.pt" ]; then
-  tar -xJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp && echo "games and expert episodes unpacked"
+  tar -xJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp && echo "expert episodes unpacked"
 fi
 export ALFWORLD_DATA=/tmp/alfworld_data KVSTREAMS_CACHE=/tmp/kvstreams_cache \
   LEARNING_DEVICE_COMMAND="bash bench/device/learning_check.sh $ENV $*"
