@@ -149,3 +149,25 @@ def test_an_environment_can_bound_each_answer(tiny_model_path):
                                  CompactionConfig(strategy="full_context"),
                                  EpisodeConfig(max_turns=10, max_new_tokens=4)))
     assert ep.stats.turns == 4 and ep.stats.tokens_generated == 2 + 3 + 4 + 4
+
+
+def test_an_episode_that_fails_mid_game_still_closes_its_environment(renderer):
+    """An environment holds a sandbox or a worker's game: an episode that raises must not leave it open."""
+
+    class Failing(FixedEnv):
+        closed = False
+
+        def step(self, action):
+            if self.t == 3:
+                raise RuntimeError("the game crashed")
+            return super().step(action)
+
+        def close(self):
+            self.closed = True
+
+    env = Failing()
+    client = ScriptedClient(script(renderer))
+    with pytest.raises(RuntimeError, match="the game crashed"):
+        asyncio.run(run_episode(client, env, Task("t", "train"), renderer, CompactionConfig(strategy="full_context"),
+                                EpisodeConfig(max_turns=10)))
+    assert env.closed

@@ -206,48 +206,50 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
         finally:
             stats.env_s += time.perf_counter() - t0
 
-    observation = await call(env.reset, task)
-    await conv.open(renderer.first_message(observation))
-    reward, won, finish = 0.0, False, "max_turns"
-    for turn in range(config.max_turns):
-        start = conv.end
-        bound = answer_budget(env)
-        tokens, closed = await conv.assistant(config.max_new_tokens if bound is None
-                                              else min(bound, config.max_new_tokens))
-        action = renderer.action_text(tokens)
-        result = await call(env.step, action)
-        stats.grade_s += float(result.info.get("grade_s", 0.0))
-        reward += result.reward
-        stats.turns = turn + 1
-        if result.done:
-            won, finish = bool(result.info.get("won", result.reward > 0)), "done"
-            break
-        if conv.end >= config.max_stream_tokens:
-            finish = "max_stream_tokens"
-            break
-        if turn == config.max_turns - 1:
-            break  # the last turn stays unfinished: its answer would never be read
-        await conv.append(renderer.after_assistant(closed=closed) + renderer.user_message(result.observation))
-        conv.turns.append((start, conv.end))
-        conv.turn_log.append((len(conv.segments), (start, conv.end)))
-        conv.turn_texts.append(action)
-        view = EpisodeView(first_message=conv.first, turns=list(conv.turns),
-                           live_tokens=conv.live_tokens, turns_completed=turn + 1,
-                           turn_texts=list(conv.turn_texts), last_observation=result.observation)
-        if strategy.triggered(view):
-            c: Compaction = await strategy.compact(view, conv)
-            await conv.evict(c.evict, compaction.execution)
-            stats.compactions += 1
-            stats.summary_tokens += c.summary_tokens
-            stats.pick_fallbacks += int(c.pick_fallback)
-    cap = turn_cap_hook(env)
-    if finish != "done" and cap is not None:
-        result = await call(cap)
-        if result is not None:
+    try:  # the environment is closed whatever happens: an SWE sandbox or a worker's game is not left behind
+        observation = await call(env.reset, task)
+        await conv.open(renderer.first_message(observation))
+        reward, won, finish = 0.0, False, "max_turns"
+        for turn in range(config.max_turns):
+            start = conv.end
+            bound = answer_budget(env)
+            tokens, closed = await conv.assistant(config.max_new_tokens if bound is None
+                                                  else min(bound, config.max_new_tokens))
+            action = renderer.action_text(tokens)
+            result = await call(env.step, action)
             stats.grade_s += float(result.info.get("grade_s", 0.0))
             reward += result.reward
-            won = bool(result.info.get("won", result.reward > 0))
-    await call(env.close)
+            stats.turns = turn + 1
+            if result.done:
+                won, finish = bool(result.info.get("won", result.reward > 0)), "done"
+                break
+            if conv.end >= config.max_stream_tokens:
+                finish = "max_stream_tokens"
+                break
+            if turn == config.max_turns - 1:
+                break  # the last turn stays unfinished: its answer would never be read
+            await conv.append(renderer.after_assistant(closed=closed) + renderer.user_message(result.observation))
+            conv.turns.append((start, conv.end))
+            conv.turn_log.append((len(conv.segments), (start, conv.end)))
+            conv.turn_texts.append(action)
+            view = EpisodeView(first_message=conv.first, turns=list(conv.turns),
+                               live_tokens=conv.live_tokens, turns_completed=turn + 1,
+                               turn_texts=list(conv.turn_texts), last_observation=result.observation)
+            if strategy.triggered(view):
+                c: Compaction = await strategy.compact(view, conv)
+                await conv.evict(c.evict, compaction.execution)
+                stats.compactions += 1
+                stats.summary_tokens += c.summary_tokens
+                stats.pick_fallbacks += int(c.pick_fallback)
+        cap = turn_cap_hook(env)
+        if finish != "done" and cap is not None:
+            result = await call(cap)
+            if result is not None:
+                stats.grade_s += float(result.info.get("grade_s", 0.0))
+                reward += result.reward
+                won = bool(result.info.get("won", result.reward > 0))
+    finally:
+        await call(env.close)
     meta = dict(task_id=task.task_id, reward=reward, won=won, strategy=compaction.strategy,
                 execution=compaction.execution, stats=stats.as_dict())
     records = await conv.finish(**meta)
