@@ -1107,6 +1107,7 @@ def delayer_outcomes(url: str) -> dict[str, float]:
     return out
 
 
+@pytest.mark.serial  # its bounds are wall-clock: 2 s held, < 1.6 s released
 def test_prefill_delayer_batches_turns_on_a_kv_streams_server(tiny_model_path, tmp_path):
     """Turn batching on a KV-streams server is SGLang's own prefill delayer (queue trigger), the rule stock SGLang
     runs in the rollout bench: ``--enable-kv-streams`` keeps overlap scheduling on, which the delayer needs. While

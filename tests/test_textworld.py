@@ -55,6 +55,7 @@ def play_expert(env: TextWorldEnv, task, actions: list[str] | None = None) -> tu
             return len(played), ret, result.info, played
 
 
+@pytest.mark.serial
 def test_two_games_of_every_preset_generate_in_under_two_minutes_on_two_cores(sample):
     _, tasks, seconds = sample
     print(f"\ngenerated {len(tasks)} games ({', '.join(sorted({t.payload['preset'] for t in tasks}))}) "
