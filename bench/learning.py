@@ -172,6 +172,12 @@ def rollout_server(cfg: Config, serving: ServingConfig, log_path: Path):
         # many tokens, and the rest of the share stays free for the trainer
         flags += ["--mem-fraction-static", str(serving.mem_fraction_static), "--max-total-tokens", str(i.kv_slots),
                   "--dtype", "bfloat16"]  # as the trainer and the built-in engine (auto: fp16 for fp32 checkpoints)
+        # A batch whose rows sample differently (greedy turns, SGLang's top_k = 1, beside T = 1 rows) takes SGLang's
+        # top-k path, FlashInfer's JIT-compiled kernel by default: on a fresh H100 (2026-12-06) its first use
+        # stalled the kv_streams run's server through the rest of the call. The clients now send prefill-only rows
+        # with their stream's sampling (client.prefill_sampling), so the runs' batches agree; should one not,
+        # PyTorch's top-k over this vocabulary costs nothing that matters, and nothing compiles in a 10-minute call.
+        flags += ["--sampling-backend", "pytorch"]
         if i.kv_dtype == "bf16":  # FlashInfer, as the rollout bench's bf16 servers: SGLang's Hopper default, FA3,
             # is not in the device's sglang-kernel (sm90 common_ops only: the first bf16 run died importing it)
             flags += ["--attention-backend", "flashinfer"]

@@ -237,6 +237,8 @@ def test_a_gpu_runs_server_holds_the_builtin_engines_kv_budget(tmp_path):
         # bf16 KV on FlashInfer (the device's sglang-kernel has no FA3, SGLang's Hopper default); kv4rl on ours
         assert ("--attention-backend" in flags) == (not kv4rl)
         assert kv4rl or flags[flags.index("--attention-backend") + 1] == "flashinfer"
+        # a batch that samples rows differently runs top-k in PyTorch, not in FlashInfer's JIT-compiled kernel
+        assert flags[flags.index("--sampling-backend") + 1] == "pytorch"
 
 
 def test_eval_engines_plays_the_held_out_games_on_both_engines(tiny_model_path, tmp_path):

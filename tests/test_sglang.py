@@ -682,6 +682,50 @@ def run_client(url: str, episode, kv_dtype: str = "kv4rl"):
     return asyncio.run(main())
 
 
+def test_prefill_only_requests_sample_as_their_streams_turns():
+    """SGLang samples every row of a batch, a prefill-only request's too: the stream client sends its prefills (the
+    kv4rl shared prompt, a flush before an eviction) with the temperature, top-p and top-k of the stream's turns, so
+    a batch of greedy turns and their prefills stays argmax (a bare prefill is SGLang's T = 1: mixed with greedy
+    rows, the batch took the top-k path, FlashInfer's JIT kernel, which stalled a fresh H100's server). The
+    client's requests are recorded here, answered as the server would, without one."""
+    from types import SimpleNamespace
+
+    from kvstreams_sglang.engine import SamplingParams
+    from kvstreams_sglang.sglang_ext.client import EngineStreams
+
+    class Recorded(EngineStreams):
+        def __init__(self):
+            super().__init__(SimpleNamespace(server_args=SimpleNamespace(kv4rl=True)))
+            self.sent = []
+
+        def _call(self, call):
+            if call.verb == "open":
+                return f"session-{len(self.sent)}"
+            if call.verb != "generate":
+                return {}
+            self.sent.append(call.args["sampling_params"])
+            n = call.args["sampling_params"]["max_new_tokens"]
+            return {"output_ids": [7] * n, "meta_info": {"output_token_logprobs": [[-0.5, 7, None]] * n,
+                                                         "finish_reason": {"type": "length"}, "cached_tokens": 0,
+                                                         "prompt_tokens": len(call.args["input_ids"])}}
+
+    for temperature, top_k in ((0.0, 0), (1.0, 0), (0.7, 20)):
+        c = Recorded()
+        sid = c.open_stream(list(range(1, 40)), shared_prefix_len=30)  # kv4rl: the shared prompt goes first, alone
+        params = SamplingParams(max_new_tokens=3, temperature=temperature, top_k=top_k, top_p=0.9)
+        c.generate(sid, params)
+        c.append(sid, [5] * 4)
+        c.prefill(sid)  # a flush, as before an eviction
+        c.append(sid, [6] * 2)
+        c.generate(sid, params)
+        prefills = [p for p in c.sent if p["max_new_tokens"] == 0]
+        turns = [p for p in c.sent if p["max_new_tokens"] == 3]
+        assert len(prefills) == 2 and len(turns) == 2, c.sent
+        for p in prefills:
+            assert {k: p[k] for k in ("temperature", "top_p", "top_k")} == \
+                   {k: turns[0][k] for k in ("temperature", "top_p", "top_k")}, (p, turns[0])
+
+
 def test_a_turn_stops_at_a_listed_stop_token_on_both_clients(kv4rl_server):
     """A turn ends at the first sampled token of ``stop_token_ids`` (finish ``stop``), on a stream and on a plain
     request, as on the built-in engine; without stop tokens it runs to ``max_new_tokens``. (SGLang skips

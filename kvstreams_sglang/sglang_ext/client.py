@@ -61,6 +61,16 @@ def sglang_sampling_params(params: SamplingParams) -> dict:
     return out
 
 
+def prefill_sampling(turn: dict) -> dict:
+    """A prefill-only request (``max_new_tokens=0``) with the temperature, top-p and top-k of its stream's turns
+    (``turn``: the last one's SGLang sampling, ``{}`` before any). SGLang samples a token for every row of a batch,
+    a prefill-only row's too (then drops it), and a batch whose rows disagree takes its top-k path: a bare prefill
+    (SGLang's default T = 1, every token) beside greedy turns (top_k = 1) did, on a fresh H100 (2026-12-06), where
+    that path is FlashInfer's JIT-compiled kernel: the held-out games' server stalled compiling it. Where rows
+    agree, a batch is argmax (greedy) or one multinomial draw (T = 1), as the turns' own batches are."""
+    return dict({k: turn[k] for k in ("temperature", "top_p", "top_k") if k in turn}, max_new_tokens=0)
+
+
 def policy_namespace(version: int) -> str:
     """The radix namespace (``extra_key``) of prompts computed under policy ``version``."""
     return f"policy-{version}"
@@ -144,6 +154,7 @@ class _Session:
     sent: int = 0
     turns: int = 0
     pending_evict: list[tuple[int, int]] = field(default_factory=list)  # in the ledger, not yet on the server
+    sampling: dict = field(default_factory=dict)  # its last turn's SGLang sampling (prefill_sampling)
 
     def pending_spans(self) -> list[list[int]]:
         """The pending eviction's spans, sorted, adjacent ones merged."""
@@ -247,7 +258,7 @@ class _Streams:
                     yield Call("evict", dict(session_id=s.session_id, spans=[list(x) for x in step.spans]))
                     continue
                 out = yield Call("generate", dict(input_ids=ledger.token_ids[step.start: step.end],
-                                                  sampling_params=dict(max_new_tokens=0),
+                                                  sampling_params=prefill_sampling(s.sampling),
                                                   session_params={"id": s.session_id}))
                 if _evicted(out):
                     break
@@ -268,7 +279,7 @@ class _Streams:
         p = s.shared_prefix_len
         if self.kv_dtype != "kv4rl" or s.turns or s.sent or not 0 < p < s.ledger.end:
             return
-        out = yield from self._turn(s, dict(max_new_tokens=0), logprobs=False, upto=p)
+        out = yield from self._turn(s, prefill_sampling(s.sampling), logprobs=False, upto=p)
         self.stats["prefix_hit_tokens"] += int(out["meta_info"].get("cached_tokens", 0))
         s.turns += 1
         s.sent = p
@@ -276,8 +287,9 @@ class _Streams:
 
     def _generate(self, sid: int, params: SamplingParams) -> Generator[Call, object, tuple[Generation, dict]]:
         s = self._get(sid)
+        s.sampling = sglang_sampling_params(params)
         yield from self._share_prompt(s)
-        out = yield from self._turn(s, sglang_sampling_params(params), logprobs=True)
+        out = yield from self._turn(s, s.sampling, logprobs=True)
         meta = out["meta_info"]
         cached = int(meta.get("cached_tokens", 0))
         self.stats["turns"] += 1
@@ -293,7 +305,7 @@ class _Streams:
         if not s.ledger.num_pending:
             return
         yield from self._share_prompt(s)
-        out = yield from self._turn(s, dict(max_new_tokens=0), logprobs=False)
+        out = yield from self._turn(s, prefill_sampling(s.sampling), logprobs=False)
         if s.turns == 0:
             self.stats["prefix_hit_tokens"] += int(out["meta_info"].get("cached_tokens", 0))
         s.turns += 1

@@ -20,13 +20,13 @@ record's ``meta["server"]``.
 from __future__ import annotations
 
 import itertools
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from trainer_masks import StreamLedger
 
 from ..engine.engine import Generation
 from ..engine.sampling import SamplingParams
-from .client import book_generation, sglang_sampling_params
+from .client import book_generation, prefill_sampling, sglang_sampling_params
 from .http_client import JsonPoster
 
 STAT_KEYS = ("turns", "prompt_tokens", "cached_tokens", "computed_tokens", "cached_tokens_lost")
@@ -49,6 +49,7 @@ class StreamStats:
 class _Stream:
     ledger: StreamLedger
     stats: StreamStats
+    sampling: dict = field(default_factory=dict)  # its last turn's SGLang sampling (client.prefill_sampling)
 
 
 class PlainClient:
@@ -117,13 +118,14 @@ class PlainClient:
 
     async def generate(self, sid, params: SamplingParams) -> Generation:
         s = self._get(sid)
-        out = await self._request(s, sglang_sampling_params(params), logprobs=True)
+        s.sampling = sglang_sampling_params(params)
+        out = await self._request(s, s.sampling, logprobs=True)
         return book_generation(s.ledger, out, params, self.policy_version)
 
     async def prefill(self, sid):
         s = self._get(sid)
         if s.ledger.num_pending:
-            await self._request(s, dict(max_new_tokens=0), logprobs=False)
+            await self._request(s, prefill_sampling(s.sampling), logprobs=False)
             s.ledger.commit(s.ledger.num_pending)
 
     async def evict(self, sid, spans):
