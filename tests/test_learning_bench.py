@@ -198,7 +198,9 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
         shutil.rmtree(tmp_path / "state" / "runs" / name)
     args, cfg = tiny_args(tmp_path / "state", games, "kv_streams", "reprefill")
     cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"engine": "sglang",
-                                                                          "max_total_tokens": 16384})})
+                                                                          "max_total_tokens": 16384}),
+                                 # the games in worker processes, as the GPU config steps them beside its server
+                                 "environment": cfg.environment.model_copy(update={"processes": 2})})
     report = asyncio.run(main_async(args, cfg, "on sglang"))
     assert report["engine"].startswith("sglang")
     for name, kv in (("kv_streams", "--kv4rl"), ("reprefill", None)):
