@@ -63,11 +63,12 @@ def sglang_sampling_params(params: SamplingParams) -> dict:
 
 def prefill_sampling(turn: dict) -> dict:
     """A prefill-only request (``max_new_tokens=0``) with the temperature, top-p and top-k of its stream's turns
-    (``turn``: the last one's SGLang sampling, ``{}`` before any). SGLang samples a token for every row of a batch,
-    a prefill-only row's too (then drops it), and a batch whose rows disagree takes its top-k path: a bare prefill
-    (SGLang's default T = 1, every token) beside greedy turns (top_k = 1) did, on a fresh H100 (2026-12-06), where
-    that path is FlashInfer's JIT-compiled kernel: the held-out games' server stalled compiling it. Where rows
-    agree, a batch is argmax (greedy) or one multinomial draw (T = 1), as the turns' own batches are."""
+    (``turn``: the last one's SGLang sampling, ``{}`` before any). SGLang samples a token for every row of a batch
+    that generates at all, a prefill-only row's too (then drops it), and a batch whose rows disagree takes its
+    top-k path: a bare prefill (SGLang's default T = 1, every token) beside greedy turns (top_k = 1) did, on a fresh
+    H100 (2026-12-06), where that path is FlashInfer's JIT-compiled kernel: the held-out games' server stalled
+    compiling it. Where rows agree, a batch is argmax (greedy) or one multinomial draw (T = 1), as the turns' own
+    batches are."""
     return dict({k: turn[k] for k in ("temperature", "top_p", "top_k") if k in turn}, max_new_tokens=0)
 
 
