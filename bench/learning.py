@@ -103,6 +103,8 @@ class ServingConfig(Section):
     max_total_tokens: int = Field(65536, ge=1024, description="the server's KV pool on the CPU (CI), in tokens")
     flags: list[str] = Field([], description="more launch_server flags, as on its command line")
     start_timeout_s: float = Field(900.0, gt=0)
+    start_during_sft: bool = Field(True, description="start the first RL run's server while SFT trains, on the base "
+                                   "checkpoint (its CUDA graph captures and first-use compiles overlap SFT)")
 
 
 class LearningConfig(Config):
@@ -220,6 +222,8 @@ class LearningBench:
         self.cfg, self.out = cfg, Path(out_dir)
         self.console = console or Console()
         self.device = resolve_device(cfg.inference.device)
+        self.pending_runs: list[str] = []  # the RL runs this call will do, in order (main_async)
+        self._early = None  # (run, its server, the task starting it): started during SFT (start_early)
 
     def stage_done(self, stage: str) -> bool:
         if stage == "expert":
@@ -278,8 +282,13 @@ class LearningBench:
         t0 = time.perf_counter()
         with self.base_and_games() as (base, taskset, renderer):
             t_model = time.perf_counter() - t0
-            ws = await warm_start(self.cfg, self.cfg.sft, base, taskset, renderer, self.device, self.out / "sft",
-                                  console=self.console, compactions=self.renderings(base))
+            self.start_early(base)
+            try:
+                ws = await warm_start(self.cfg, self.cfg.sft, base, taskset, renderer, self.device,
+                                      self.out / "sft", console=self.console, compactions=self.renderings(base))
+            except BaseException:
+                self.stop_early()
+                raise
         record = {**asdict(ws), "base_sha256": tree_sha256(base), "sft_sha256": tree_sha256(ws.model_path),
                   "parameters": parameter_count(base), "model_and_games_s": round(t_model, 1),
                   "seconds": round(time.perf_counter() - t0, 1),
@@ -289,6 +298,46 @@ class LearningBench:
         self.console.print(f"SFT checkpoint {ws.model_path}: sha256 {record['sft_sha256'][:16]}..., "
                            f"{record['seconds']:.0f}s")
         return record
+
+    def start_early(self, base: str) -> None:
+        """With ``--serving.engine sglang`` (``serving.start_during_sft``): start the next RL run's server now, on
+        the base checkpoint, so that its start (CUDA graph captures, first-use compiles: 125 s on a fresh H100,
+        2026-12-06) overlaps SFT instead of following it. The run gives its server the SFT weights before anything
+        else (``harness.run`` updates the policy at its start), and the warm-up's cache is flushed (``rl``)."""
+        if self.cfg.serving.engine != "sglang" or not self.cfg.serving.start_during_sft:
+            return
+        name = next((n for n in self.pending_runs if not self.stage_done(n)), None)
+        if name is None:
+            return
+        server = rollout_server(run_config(self.cfg, name, base, self.run_dir(name)), self.cfg.serving,
+                                self.run_dir(name).parent / f"{name}.server.log")
+        self.run_dir(name).parent.mkdir(parents=True, exist_ok=True)
+        self.console.print(f"starting {name}'s server during SFT (log {server.log_path})")
+        server.launch()  # here, so that stop_early always finds its process
+        ready = asyncio.ensure_future(asyncio.to_thread(server.wait_ready, self.cfg.serving.start_timeout_s))
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # a stopped start's error: not a warning
+        self._early = (name, server, ready)
+
+    def stop_early(self) -> None:
+        if self._early is not None:
+            self._early[1].stop()
+            self._early = None
+
+    async def take_early(self, name: str):
+        """Run ``name``'s server started during SFT, once up; None where there is none (or it failed to start:
+        the run then starts its own)."""
+        if self._early is None or self._early[0] != name:
+            self.stop_early()
+            return None
+        _, server, starting = self._early
+        self._early = None
+        try:
+            await starting
+        except Exception as e:  # said, and the run starts a server of its own
+            self.console.print(f"{name}'s server started during SFT failed ({e!r}): starting it again")
+            server.stop()
+            return None
+        return server
 
     def renderings(self, base: str) -> list:
         """The runs' distinct compactions: the one SFT checkpoint learns from expert episodes rendered under each."""
@@ -318,15 +367,21 @@ class LearningBench:
         rcfg = run_config(self.cfg, name, str(self.sft_model), out)
         t0 = time.perf_counter()
         server, start_s = None, None
+        early = False
         if self.cfg.serving.engine == "sglang":
-            server = rollout_server(rcfg, self.cfg.serving, out.parent / f"{name}.server.log")  # beside the run
-            self.console.print(f"starting {' '.join(server.command()[1:4])} ... (log {server.log_path})")
-            try:
-                await asyncio.to_thread(server.start, self.cfg.serving.start_timeout_s)
-            except BaseException:  # cancelled (SIGTERM: main's unwind_on_sigterm) while the thread waits for it
-                server.stop()
-                raise
+            server = await self.take_early(name)
+            early = server is not None
+            if server is None:
+                server = rollout_server(rcfg, self.cfg.serving, out.parent / f"{name}.server.log")  # beside the run
+                self.console.print(f"starting {' '.join(server.command()[1:4])} ... (log {server.log_path})")
+                try:
+                    await asyncio.to_thread(server.start, self.cfg.serving.start_timeout_s)
+                except BaseException:  # cancelled (SIGTERM: main's unwind_on_sigterm) while the thread waits
+                    server.stop()
+                    raise
             await warm_up(server.url, rcfg)
+            if early:  # its warm-up ran the base weights: nothing of it may be matched by the run's prompts
+                await asyncio.to_thread(server.flush_cache)
             start_s = round(time.perf_counter() - t0, 1)
             self.console.print(f"server up and warm in {start_s} s at {server.url}")
             rcfg = run_config(self.cfg, name, str(self.sft_model), out, url=server.url)
@@ -341,6 +396,7 @@ class LearningBench:
         record = {"sft_sha256": sft["sft_sha256"], "settings": RUNS[name], "steps": len(rows), "scheduler_host": host,
                   "gpu_s": rows[-1]["gpu_s"] if rows else 0.0, "wall_s": round(time.perf_counter() - t0, 1),
                   "resumed": resume, "engine": self.cfg.serving.engine, "server_start_s": start_s,
+                  "server_started_during_sft": early,
                   "server_flags": server.command()[4:] if server is not None else None}
         write_json(out / "done.json", record)
         gc.collect()
@@ -552,6 +608,7 @@ async def main_async(args: argparse.Namespace, cfg: LearningConfig, command: str
             "LEARNING_DEVICE_COMMAND"), "started": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
     json_path = args.json or args.out_dir / "learning.json"
     commands = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
+    bench.pending_runs = [s for s in stages if s in RUNS]
     try:
         for stage in stages:
             if stage == "fidelity" and not cfg.fidelity.lengths:
@@ -560,6 +617,7 @@ async def main_async(args: argparse.Namespace, cfg: LearningConfig, command: str
                    else bench.fidelity() if stage == "fidelity" else bench.rl(stage))
             bench.report(json_path, commands)
     finally:
+        bench.stop_early()  # a server started during SFT for a run this call did not reach
         report = bench.report(json_path, commands)
     bench.console.print(summary_table(report))
     bench.console.print(f"report {json_path} and {json_path.with_suffix('.png')}")

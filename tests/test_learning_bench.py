@@ -189,24 +189,30 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
     """``--serving.engine sglang``: each run starts its own server (ours, KV-streams; kv4rl for kv_streams, bf16 for
     re-prefill) on the SFT checkpoint, trains and evaluates against it, records the server's start and flags, and
     stops it; the run's points and the report are those of the built-in path (nothing re-prefilled under
-    KV-streams)."""
+    KV-streams). SFT is done again here (same seed and data: the same checkpoint), so that the first run's server
+    starts during SFT on the base checkpoint (``serving.start_during_sft``) and gets the SFT weights from the run."""
     import shutil
 
     out, games, _ = bench_state
     shutil.copytree(out, tmp_path / "state")
     for name in ("kv_streams", "reprefill"):
         shutil.rmtree(tmp_path / "state" / "runs" / name)
-    args, cfg = tiny_args(tmp_path / "state", games, "kv_streams", "reprefill")
+    sft_sha = json.loads((tmp_path / "state" / "sft" / "done.json").read_text())["sft_sha256"]
+    (tmp_path / "state" / "sft" / "done.json").unlink()
+    shutil.rmtree(tmp_path / "state" / "sft" / "model")
+    args, cfg = tiny_args(tmp_path / "state", games, "sft", "kv_streams", "reprefill")
     cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"engine": "sglang",
                                                                           "max_total_tokens": 16384}),
                                  # the games in worker processes, as the GPU config steps them beside its server
                                  "environment": cfg.environment.model_copy(update={"processes": 2})})
     report = asyncio.run(main_async(args, cfg, "on sglang"))
-    assert report["engine"].startswith("sglang")
+    assert report["engine"].startswith("sglang") and report["sft"]["sft_sha256"] == sft_sha
     for name, kv in (("kv_streams", "--kv4rl"), ("reprefill", None)):
         run = report["runs"][name]
         done = run["done"]
         assert done["engine"] == "sglang" and done["server_start_s"] > 0 and run["steps"] == 2
+        assert done["server_started_during_sft"] == (name == "kv_streams")  # the first run's, on the base model
+        assert done["sft_sha256"] == sft_sha
         assert "--enable-kv-streams" in done["server_flags"] and (kv in done["server_flags"]) == (kv is not None)
         assert "--enable-prefill-delayer" in done["server_flags"]  # the config's [serving] flags: turn batching
         assert done["scheduler_host"]["match_prefix"]["calls"] > 0  # the server's host time per hook, recorded
