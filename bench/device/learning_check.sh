@@ -17,7 +17,8 @@
 # rendering, not yet re-measured: a step is then 16 episodes of each (coin25 expert episodes, CPU-counted: 2.3k
 # tokens as KV-streams or full context, 21.7k as re-prefill in 22.75 records; ~420k tokens a step). The bench stops at 530 s and writes its report: expect `all` to take two or three
 # calls on one warm machine (call again within its idle release: it continues where it stopped).
-# LEARNING_ENGINE=sglang: the RL runs generate on our SGLang server, one per run (bench.learning's [serving]). The
+# LEARNING_ENGINE=sglang: the RL runs generate on our SGLang server, one per run (bench.learning's [serving]; the
+# first run's server starts during SFT, on the base checkpoint: its ~125 s of captures on a fresh H100 overlap SFT). The
 # SGLang bundle (.device_sgl, 53 MB) and .devenv (38 MB) do not fit one carry: first call with .devenv (installs the
 # environments into /tmp/envsite, does SFT: `bash bench/device/learning_check.sh textworld sft`), then on the same
 # warm machine `LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld` carrying .device_sgl. Or all on
