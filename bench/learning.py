@@ -436,6 +436,7 @@ class LearningBench:
             p = by_step.setdefault(r["step"], {"step": r["step"], "gpu_s": round(r["gpu_s"], 2), "splits": {}})
             p["splits"][r["split"]] = {k: r[k] for k in ("episodes", "wins", "win_rate", "mean_reward",
                                                           "mean_turns", "tokens_reprefilled", "peak_kv_tokens")}
+            p["splits"][r["split"]]["seconds"] = r.get("seconds")  # its wall time (rows before 2026-12-06: none)
         for p in by_step.values():
             s = p["splits"].values()
             p["episodes"], p["wins"] = sum(x["episodes"] for x in s), sum(x["wins"] for x in s)
@@ -445,8 +446,11 @@ class LearningBench:
     def run_summary(self, name: str) -> dict:
         path = self.run_dir(name) / "metrics.jsonl"
         rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+        points = self.points(name)
         return {
-            "settings": RUNS[name], "done": read_json(self.run_dir(name) / "done.json"), "points": self.points(name),
+            "settings": RUNS[name], "done": read_json(self.run_dir(name) / "done.json"), "points": points,
+            # the evaluations' wall time, outside the runs' GPU time (call time all the same)
+            "eval_s": round(sum(x["seconds"] or 0.0 for p in points for x in p["splits"].values()), 1),
             "steps": len(rows), "gpu_s": rows[-1]["gpu_s"] if rows else 0.0,
             "gpu_s_per_step": round(rows[-1]["gpu_s"] / len(rows), 2) if rows else None,
             "tokens_generated": sum(r["tokens_generated"] for r in rows),

@@ -9,6 +9,7 @@ stream would hold with nothing evicted.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -49,6 +50,7 @@ class EvalResult:
     peak_kv_tokens: int  # max over episodes of kv_peaks()[0]
     full_context_tokens: int  # max over episodes of kv_peaks()[1]
     compactions: int
+    seconds: float = 0.0  # the evaluation's wall time (not a run's GPU time: runs exclude their evaluations)
 
     @property
     def win_rate(self) -> float:
@@ -110,6 +112,7 @@ async def evaluate(stage: str, engine: Engine | EngineClient, taskset: TaskSet, 
 
     client = BuiltinClient(engine) if isinstance(engine, Engine) else engine
     before = client.tokens_reprefilled
+    t0 = time.perf_counter()
     with Progress(transient=True) as progress:
         bar = progress.add_task(f"eval {stage}", total=len(tasks))
         episodes = await run_episodes(client, taskset.make_env, tasks, renderer, cfg.compaction,
@@ -125,5 +128,5 @@ async def evaluate(stage: str, engine: Engine | EngineClient, taskset: TaskSet, 
         + client.tokens_reprefilled - before,
         peak_kv_tokens=max((p for p, _ in peaks), default=0),
         full_context_tokens=max((f for _, f in peaks), default=0),
-        compactions=sum(ep.stats.compactions for ep in episodes))
+        compactions=sum(ep.stats.compactions for ep in episodes), seconds=round(time.perf_counter() - t0, 2))
     return result, episodes

@@ -222,6 +222,7 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
         assert last["sglang_turns"] > 0 and last["sglang_cached_tokens_lost"] == 0
         evals = [json.loads(x) for x in (tmp_path / "state" / "runs" / name / "eval.jsonl").read_text().splitlines()]
         assert evals and all(e["on_server"] for e in evals)  # held-out games played on the run's server too
+        assert all(split["seconds"] > 0 for p in run["points"] for split in p["splits"].values())  # wall time
     assert report["runs"]["kv_streams"]["tokens_reprefilled"] == 0
     assert report["runs"]["reprefill"]["tokens_reprefilled"] > 0
 
