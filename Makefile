@@ -53,7 +53,7 @@ sglang-cpu:
 
 # Two passes: the suite over TEST_WORKERS processes (pytest-xdist, each test file in one worker: its module's server
 # or model fixtures are made once), then the `serial` tests alone (a wall-clock or process-count bound that a second
-# worker on the same cores would break). CI's 2 cores: 28 min in one process, ~22 in two (2026-12-06).
+# worker on the same cores would break). CI's 2 cores: 28 min in one process, ~20 in two (2026-12-06).
 TEST_WORKERS ?= 2
 test: $(NEEDS_SETUP)
 	$(PYTHON) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" --durations=25 tests
