@@ -12,6 +12,7 @@ concurrently (asyncio) against one engine, which batches their steps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -248,8 +249,11 @@ async def run_episode(client: EngineClient, env: Environment, task: Task, render
                 stats.grade_s += float(result.info.get("grade_s", 0.0))
                 reward += result.reward
                 won = bool(result.info.get("won", result.reward > 0))
-    finally:
-        await call(env.close)
+    except BaseException:  # closed too, but its own error must not hide the episode's (a cancelled run's workers
+        with contextlib.suppress(Exception):  # are gone by then: closing them fails)
+            await call(env.close)
+        raise
+    await call(env.close)
     meta = dict(task_id=task.task_id, reward=reward, won=won, strategy=compaction.strategy,
                 execution=compaction.execution, stats=stats.as_dict())
     records = await conv.finish(**meta)
