@@ -144,20 +144,45 @@ SETUPS = {s.name: s for s in (
 STRATEGIES = ("sliding_window", "markovian_thinker", "summary")
 
 
+CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "textworld"
+
+
 def compaction(strategy: str, execution: str, a) -> object:
+    """The strategy's compaction as the project runs it: ``[compaction]`` of ``--strategy-configs``/STRATEGY.toml
+    (TextWorld's, the KV-streams paper's settings: Sliding Window and Markovian Thinker evict at 10 live turns, Summary
+    every 10 turns), with ``--window``, ``--markovian-turns`` and ``--summary-turns`` overriding the trigger. The
+    replayed summary is ``--summary-tokens`` long (a random model writes to its cap; a config's cap is not a length)."""
+    import tomllib
+
     from envs.rollout.compaction import CompactionConfig
 
     if strategy == "full_context":
         return CompactionConfig(strategy="full_context")
-    if strategy == "sliding_window":
-        return CompactionConfig(strategy=strategy, execution=execution, window_turns=a.window, stride=1)
-    if strategy == "markovian_thinker":
-        return CompactionConfig(strategy=strategy, execution=execution, window_turns=a.markovian_turns,
-                                stride=a.markovian_turns // 2)
+    path = Path(a.strategy_configs) / f"{strategy}.toml"
+    if strategy not in STRATEGIES or not path.exists():
+        raise ValueError(f"unknown strategy {strategy!r} (no {path})")
+    c = tomllib.loads(path.read_text()).get("compaction", {})
+    if c.get("strategy", strategy) != strategy:
+        raise ValueError(f"{path}: [compaction] strategy is {c['strategy']!r}, not {strategy!r}")
+    c = dict(c, strategy=strategy, execution=execution)
+    turns = {"sliding_window": a.window, "markovian_thinker": a.markovian_turns, "summary": a.summary_turns}[strategy]
     if strategy == "summary":
-        return CompactionConfig(strategy=strategy, execution=execution, window_turns=a.summary_turns, stride=1,
-                                summary_max_tokens=a.summary_tokens)
-    raise ValueError(f"unknown strategy {strategy!r}")
+        c["summary_max_tokens"] = a.summary_tokens
+        if turns is not None:
+            c.update(every_k_turns=turns)
+    elif turns is not None:
+        c.update(window_turns=turns, stride=1 if strategy == "sliding_window" else max(turns // 2, 1))
+    return CompactionConfig(**c)
+
+
+def compaction_settings(a, strategies) -> dict:
+    """Each strategy's trigger as run (the JSON's ``settings.compaction``)."""
+    keys = ("window_turns", "stride", "every_k_turns", "budget", "summary_max_tokens")
+    out = {}
+    for st in strategies:
+        c = compaction(st, "kv_streams", a)
+        out[st] = {k: getattr(c, k) for k in keys if k in c.model_fields_set or k in ("window_turns", "stride")}
+    return out
 
 
 # ---- one server's flags, per device ----
@@ -720,10 +745,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--games long: fewest and most turns of a game")
     g.add_argument("--episodes", type=int, default=1500, help="episodes in each strategy's list (the same list for "
                                                               "every server); a run stops when it runs out")
-    g.add_argument("--window", type=int, default=4, help="Sliding Window: live turns that trigger an eviction")
-    g.add_argument("--markovian-turns", type=int, default=8, help="Markovian Thinker: live turns at the trigger "
-                                                                  "(half are evicted)")
-    g.add_argument("--summary-turns", type=int, default=6)
+    g.add_argument("--strategy-configs", type=Path, default=CONFIGS,
+                   help="a folder of STRATEGY.toml configs whose [compaction] the replay runs (default: TextWorld's,\n"
+                        "the paper's settings: evict at 10 live turns, Summary every 10 turns)")
+    g.add_argument("--window", type=int, default=None,
+                   help="Sliding Window: live turns that trigger an eviction of one (default: the config's, 10;\n"
+                        "runs before 2026-12-06 used 4)")
+    g.add_argument("--markovian-turns", type=int, default=None, help="Markovian Thinker: live turns at the trigger "
+                                                                     "(half are evicted; default: the config's)")
+    g.add_argument("--summary-turns", type=int, default=None, help="Summary: every this many turns (default: the "
+                                                                    "config's)")
     g.add_argument("--summary-tokens", type=int, default=64)
     g.add_argument("--sizing-workers", type=int, default=8, help="processes that measure the episodes' peaks")
     g = p.add_argument_group("timing")
@@ -804,8 +835,8 @@ def merge(parts: list[Path], out: Path) -> dict:
     (settings.episodes, seed, template), or the comparison would not be of the same work."""
     results = [json.loads(p.read_text()) for p in parts]
     first = results[0]
-    key = ("episodes", "games", "seed", "template", "window", "markovian_turns", "length_scale", "mem_fraction_static",
-           "prefill_graph")
+    key = ("episodes", "games", "seed", "template", "window", "markovian_turns", "compaction", "length_scale",
+           "mem_fraction_static", "prefill_graph")
     for p, r in zip(parts[1:], results[1:], strict=True):
         if r.get("device") != first.get("device"):
             raise ValueError(f"{p} ran on {r.get('device')}, {parts[0]} on {first.get('device')}: timings of "
@@ -877,6 +908,7 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
         games=a.games if a.games == "recorded" else "long {},{} turns".format(*a.long_turns),
         length_scale=a.length_scale, window=a.window, markovian_turns=a.markovian_turns,
         summary_turns=a.summary_turns, summary_tokens=a.summary_tokens,
+        compaction=compaction_settings(a, [st for st in strategies if st != "full_context"]),
         warmup_s=a.warmup, duration_s=a.duration, budget_s=a.budget_s, seed=a.seed, template=dataclasses.asdict(
             template), episodes=dict(count=len(specs), turns=length_stats([len(e.turns) for e in specs]),
                                      total_tokens=length_stats([e.total for e in specs]),

@@ -187,7 +187,7 @@ def test_targets_say_what_was_met_and_where_the_time_goes():
 pytestmark_sglang = pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed (make sglang-cpu)")
 CPU_ARGS = ["--device", "cpu", "--configs", "stock_bf16,streams_bf16", "--strategies", "sliding_window",
             "--warmup", "2", "--duration", "12", "--episodes", "600", "--length-scale", "0.15", "--max-turns", "5",
-            "--window", "2", "--sizing-workers", "0", "--max-running-requests", "16", "--free-rows", "2",
+            "--window", "2", "--markovian-turns", "8", "--summary-turns", "6", "--sizing-workers", "0", "--max-running-requests", "16", "--free-rows", "2",
             "--max-total-tokens", "2048", "--budget-s", "600",
             "--pyspy", "--profile-configs", "stock_bf16,streams_bf16"]
 
@@ -252,6 +252,30 @@ def test_completion_counts_bound_the_episode_rate():
     assert three["ratio_interval"] == pytest.approx([a0 / b1, a1 / b0])
     assert three["ratio_interval"][0] < 1.0 < 3.0 < three["ratio_interval"][1]  # one 15 s window cannot tell
     assert three["ratio_by_output_tokens"] == pytest.approx(1931 / 905)
+
+
+def test_the_replay_compacts_as_the_projects_textworld_configs():
+    """By default the bench's strategies trigger as ``configs/textworld/STRATEGY.toml`` (what ``make textworld
+    STRATEGY=...`` runs: the paper's 10 live turns), and the flags override the trigger alone."""
+    import tomllib
+
+    from bench.rollout_sglang import compaction, parse_args
+
+    a = parse_args(["--model", "m", "--device", "cpu"])
+    for strategy in ("sliding_window", "markovian_thinker", "summary"):
+        want = tomllib.loads((Path(__file__).resolve().parent.parent / "configs" / "textworld" / f"{strategy}.toml").read_text())["compaction"]
+        got = compaction(strategy, "reprefill", a)
+        assert got.execution == "reprefill" and got.strategy == strategy
+        for key in ("window_turns", "stride", "every_k_turns", "budget"):
+            if key in want:
+                assert getattr(got, key) == want[key], (strategy, key)
+    a = parse_args(["--model", "m", "--device", "cpu", "--window", "4", "--markovian-turns", "8", "--summary-turns", "6"])
+    assert (compaction("sliding_window", "kv_streams", a).window_turns, compaction("sliding_window", "kv_streams",
+                                                                                    a).stride) == (4, 1)
+    assert (compaction("markovian_thinker", "kv_streams", a).window_turns,
+            compaction("markovian_thinker", "kv_streams", a).stride) == (8, 4)
+    assert compaction("summary", "kv_streams", a).every_k_turns == 6
+    assert compaction("summary", "kv_streams", a).summary_max_tokens == a.summary_tokens
 
 
 @pytest.fixture(scope="module")
