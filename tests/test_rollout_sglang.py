@@ -187,7 +187,8 @@ def test_targets_say_what_was_met_and_where_the_time_goes():
 pytestmark_sglang = pytest.mark.skipif(not HAS_SGLANG, reason="sglang not installed (make sglang-cpu)")
 CPU_ARGS = ["--device", "cpu", "--configs", "stock_bf16,streams_bf16", "--strategies", "sliding_window",
             "--warmup", "2", "--duration", "12", "--episodes", "600", "--length-scale", "0.15", "--max-turns", "5",
-            "--window", "2", "--markovian-turns", "8", "--summary-turns", "6", "--sizing-workers", "0", "--max-running-requests", "16", "--free-rows", "2",
+            "--window", "2", "--markovian-turns", "8", "--summary-turns", "6", "--sizing-workers", "0",
+            "--max-running-requests", "16", "--free-rows", "2",
             "--max-total-tokens", "2048", "--budget-s", "600",
             "--pyspy", "--profile-configs", "stock_bf16,streams_bf16"]
 
@@ -263,17 +264,17 @@ def test_the_replay_compacts_as_the_projects_textworld_configs():
 
     a = parse_args(["--model", "m", "--device", "cpu"])
     for strategy in ("sliding_window", "markovian_thinker", "summary"):
-        want = tomllib.loads((Path(__file__).resolve().parent.parent / "configs" / "textworld" / f"{strategy}.toml").read_text())["compaction"]
+        path = TESTS.resolve().parent / "configs" / "textworld" / f"{strategy}.toml"
+        want = tomllib.loads(path.read_text())["compaction"]
         got = compaction(strategy, "reprefill", a)
         assert got.execution == "reprefill" and got.strategy == strategy
         for key in ("window_turns", "stride", "every_k_turns", "budget"):
             if key in want:
                 assert getattr(got, key) == want[key], (strategy, key)
-    a = parse_args(["--model", "m", "--device", "cpu", "--window", "4", "--markovian-turns", "8", "--summary-turns", "6"])
-    assert (compaction("sliding_window", "kv_streams", a).window_turns, compaction("sliding_window", "kv_streams",
-                                                                                    a).stride) == (4, 1)
-    assert (compaction("markovian_thinker", "kv_streams", a).window_turns,
-            compaction("markovian_thinker", "kv_streams", a).stride) == (8, 4)
+    a = parse_args(["--model", "m", "--device", "cpu", "--window", "4", "--markovian-turns", "8",
+                    "--summary-turns", "6"])
+    sw, mt = compaction("sliding_window", "kv_streams", a), compaction("markovian_thinker", "kv_streams", a)
+    assert (sw.window_turns, sw.stride, mt.window_turns, mt.stride) == (4, 1, 8, 4)
     assert compaction("summary", "kv_streams", a).every_k_turns == 6
     assert compaction("summary", "kv_streams", a).summary_max_tokens == a.summary_tokens
 
