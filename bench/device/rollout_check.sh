@@ -36,6 +36,10 @@
 # - PROFILE=40 records 40 steps of each server with SGLang's torch profiler, summarised into the JSON (bench.trace_summary).
 # - PYSPY=1 samples each PROFILE_CONFIGS server's scheduler and the bench's client with py-spy over the window (the
 #   Python between steps: bench.pyspy); carry .devtools (bash bench/device/tools_bundle.sh .devtools, ~3 MB).
+# - (2026-12-06, an H100) the strategies now compact as configs/textworld/STRATEGY.toml (Sliding Window: 10 live
+#   turns, the paper's; 4 before): GAMES=long OURS_ROWS=128 OURS_PREFILL_GRAPH=full TURN_BATCHING=0.25 TURN_BATCH_MS=40
+#   gave ours kv4rl 4.08x stock bf16 (3.92x in output tokens), ours bf16 2.84x (rollout_sglang_paper_window_h100.json);
+#   a fresh machine's stock server took 280 s to come up (FlashInfer's JIT): budget ROLLOUT_TIMEOUT=540 for two configs.
 # Needs the SGLang bundle at .device_sgl (bash ../shared/device/sglang_bundle.sh .device_sgl; carry .device_sgl).
 set -o pipefail
 OUT=${OUT:-bench/results/check}
