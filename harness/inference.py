@@ -98,8 +98,12 @@ class SGLangInference:
         save_file(weights, tmp / "model.safetensors")
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
-        for old in sorted(self.weights_dir.glob("v*"))[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
+        # keep this version and the one before it; a resumed run writes versions a crashed run had passed, so
+        # "the newest two" would delete the one just written
+        older = sorted(p for p in self.weights_dir.glob("v*") if p.name < target.name)
+        for old in self.weights_dir.glob("v*"):
+            if old != target and old not in older[-1:]:
+                shutil.rmtree(old, ignore_errors=True)
         return target
 
     async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:

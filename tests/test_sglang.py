@@ -545,6 +545,31 @@ def test_a_stream_keeps_its_kv_across_a_weight_update(kv4rl_server, tiny_model_p
     assert versions == [0] * sum(len(g.token_ids) for g in old) + [1] * len(new.token_ids)
 
 
+def test_a_resumed_run_syncs_weights_at_a_version_the_crashed_run_passed(kv4rl_server, tiny_model_path, tmp_path):
+    """A run killed after step 10 resumes from its step-8 checkpoint: the weights it writes for version 8 reach the
+    server although the crashed run's versions 9 and 10 are still on disk (they are the stale ones, removed)."""
+    import asyncio
+
+    from harness.config import InferenceConfig
+    from harness.inference import SGLangInference
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    inference = SGLangInference(InferenceConfig(engine="sglang", url=kv4rl_server, kv_dtype="kv4rl"),
+                                str(tiny_model_path), tmp_path)
+    for version in (7, 9, 10):
+        (tmp_path / "weights" / f"v{version:06d}").mkdir(parents=True)
+
+    async def resume():
+        await inference.start()
+        await inference.update_weights(model.state_dict(), version=8)
+        version = inference.client.policy_version
+        await inference.close()
+        return version
+
+    assert asyncio.run(resume()) == 8
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000007", "v000008"]
+
+
 def test_broadcast_weights_equal_the_same_weights_from_disk(kv4rl_server, tiny_model_path, tmp_path):
     """``weight_sync = distributed`` delivers exactly the trainer's tensors: a fresh stream's logprobs after a
     broadcast of changed weights equal those after loading the same weights from disk, and differ from the
