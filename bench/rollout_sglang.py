@@ -835,21 +835,30 @@ def merge(parts: list[Path], out: Path) -> dict:
     (settings.episodes, seed, template), or the comparison would not be of the same work."""
     results = [json.loads(p.read_text()) for p in parts]
     first = results[0]
-    key = ("episodes", "games", "seed", "template", "window", "markovian_turns", "compaction", "length_scale",
+    key = ("episodes", "games", "seed", "template", "window", "markovian_turns", "length_scale",
            "mem_fraction_static", "prefill_graph")
-    for p, r in zip(parts[1:], results[1:], strict=True):
+    compaction = {}  # per strategy: parts that ran other strategies add theirs, the same strategy must agree
+    for p, r in zip(parts, results, strict=True):
         if r.get("device") != first.get("device"):
             raise ValueError(f"{p} ran on {r.get('device')}, {parts[0]} on {first.get('device')}: timings of "
                              "different GPUs are not comparable")
         diff = [k for k in key if r["settings"].get(k) != first["settings"].get(k)]
+        for strategy, settings in (r["settings"].get("compaction") or {}).items():
+            if compaction.setdefault(strategy, settings) != settings:
+                diff.append(f"compaction of {strategy}")
         if diff:
             raise ValueError(f"{p} was run with other settings than {parts[0]} ({', '.join(diff)}): not comparable")
-    merged = dict(first, command=[r["command"] for r in results], date=[r["date"] for r in results],
-                  merged_from=[str(p) for p in parts], servers={}, runs=[])
+    def flat(r: dict, key: str, own) -> list:  # a part that is itself a merge adds its parts
+        return r[key] if "merged_from" in r else [own]
+
+    merged = dict(first, command=[c for r in results for c in flat(r, "command", r["command"])],
+                  date=[d for r in results for d in flat(r, "date", r["date"])],
+                  merged_from=[f for p, r in zip(parts, results, strict=True) for f in flat(r, "merged_from", str(p))],
+                  servers={}, runs=[])
     for r in results:
         merged["servers"].update(r["servers"])
         merged["runs"] += r["runs"]
-    merged["settings"] = dict(first["settings"], configs=list(merged["servers"]),
+    merged["settings"] = dict(first["settings"], configs=list(merged["servers"]), compaction=compaction,
                               strategies=list(dict.fromkeys(r["strategy"] for r in merged["runs"])))
     merged["targets"] = targets(merged["runs"])
     out.write_text(json.dumps(merged, indent=1, default=str) + "\n")

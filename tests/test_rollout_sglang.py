@@ -506,6 +506,22 @@ def test_merge_puts_the_calls_side_by_side_and_refuses_other_settings(tmp_path):
     assert [r["config"] for r in out["runs"]] == ["stock_bf16", "streams_kv4rl"]
     assert json.loads((tmp_path / "merged.json").read_text())["targets"] == out["targets"] == whole["targets"]
     assert (tmp_path / "merged.png").stat().st_size > 1000
+    again = merge([tmp_path / "merged.json"], tmp_path / "again.json")  # a merge of merges lists the calls once
+    assert again["command"] == out["command"] == [whole["command"]] * 2 and again["merged_from"] == out["merged_from"]
+    # calls that ran other strategies each record theirs; one strategy run at two settings is refused
+    sliding, summary = dict(window_turns=10, stride=1), dict(every_k_turns=10, summary_max_tokens=64)
+    for part, compaction in zip(parts, ({"sliding_window": sliding}, {"summary": summary}), strict=True):
+        part.write_text(json.dumps(dict(json.loads(part.read_text()),
+                                        settings=dict(whole["settings"], compaction=compaction))))
+    out = merge(parts, tmp_path / "merged.json")
+    assert out["settings"]["compaction"] == {"sliding_window": sliding, "summary": summary}
+    other = json.loads(parts[1].read_text())
+    other["settings"]["compaction"]["sliding_window"] = dict(sliding, window_turns=4)
+    parts[1].write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="compaction of sliding_window"):
+        merge(parts, tmp_path / "refused.json")
+    other["settings"]["compaction"] = {"summary": summary}
+    parts[1].write_text(json.dumps(other))
     other = json.loads(parts[1].read_text())
     other["settings"] = dict(other["settings"], seed=1)
     parts[1].write_text(json.dumps(other))
