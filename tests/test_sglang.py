@@ -495,14 +495,20 @@ def kv4rl_server_process(model_path, log: Path, *flags: str):
 
 
 @pytest.fixture(scope="module")
-def kv4rl_server(tiny_model_path, tmp_path_factory):
+def kv4rl_server_log(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("sglang_server") / "server.log"
+
+
+@pytest.fixture(scope="module")
+def kv4rl_server(tiny_model_path, kv4rl_server_log):
     """A kv4rl + kv-streams server on the tiny model, shared by the tests below."""
-    with kv4rl_server_process(tiny_model_path, tmp_path_factory.mktemp("sglang_server") / "server.log") as url:
+    with kv4rl_server_process(tiny_model_path, kv4rl_server_log) as url:
         yield url
 
 
 @pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
-def test_a_stream_keeps_its_kv_across_a_weight_update(kv4rl_server, tiny_model_path, tmp_path, weight_sync):
+def test_a_stream_keeps_its_kv_across_a_weight_update(kv4rl_server, kv4rl_server_log, tiny_model_path, tmp_path,
+                                                      weight_sync):
     """The harness's weight sync in a fixed order: a stream takes a turn, is compacted in place, the trainer's
     (changed) weights reach the server with flush_cache=False -- from disk, or broadcast over a (gloo) process
     group with the server's rank -- and the stream's next turn finds every kept token cached (nothing
@@ -543,6 +549,7 @@ def test_a_stream_keeps_its_kv_across_a_weight_update(kv4rl_server, tiny_model_p
                          tokens_reprefilled=0), stats
     versions = [v for v, s in zip(record.policy_versions, record.sources, strict=True) if s == "model"]
     assert versions == [0] * sum(len(g.token_ids) for g in old) + [1] * len(new.token_ids)
+    assert "not supported for streaming sessions" not in kv4rl_server_log.read_text()  # turns with logprobs, quiet
 
 
 def test_a_resumed_run_syncs_weights_at_a_version_the_crashed_run_passed(kv4rl_server, tiny_model_path, tmp_path):

@@ -14,7 +14,8 @@
   a stream's first turn back while a sibling that computes the same shared prefix runs (in this
   batch, or in one whose result is not processed yet: overlap scheduling), so the prefix is computed
   once; the scheduler gets ``kvstreams_*`` RPC methods (open, evict, session info, pool info) whose
-  arguments and results travel as JSON (``RPC_ARGS``: SGLang's RPC parameters are flat scalars).
+  arguments and results travel as JSON (``RPC_ARGS``: SGLang's RPC parameters are flat scalars); the
+  warning SGLang logs on every streaming-session turn that asks for logprobs is filtered out.
   (Turn batching is SGLang's own ``--enable-prefill-delayer``: KV streams keep overlap scheduling.)
 - kv4rl: the ``kv4rl`` attention backend is registered; ``KVCacheConfigurator`` builds
   ``KV4TokenToKVPool`` where it would build ``MHATokenToKVPool``; capacity profiling uses the
@@ -45,6 +46,7 @@ def install(server_args) -> None:
         _install_abort_hook()
         _install_sibling_deferral()
         _install_rpc()
+        _quiet_session_logprob_warning()
         _installed.add("streams")
     if getattr(server_args, "kv4rl", False) and "kv4rl" not in _installed:
         _install_kv4rl()
@@ -130,6 +132,20 @@ def _install_positions() -> None:
         return ret
 
     ForwardBatch.init_new = classmethod(init_new)
+
+
+class _SessionLogprobDefault(logging.Filter):
+    """SGLang's scheduler sets ``logprob_start_len`` to the input's length for every ``return_logprob`` request
+    (logprobs of the new tokens: what a stream turn asks for), then, for a streaming session, warns that the
+    value it set is ignored and returns the new tokens' logprobs. On a KV-streams server that is every turn: a
+    line per turn (~36k in a 100 s learning run, 11 MB of log) burying the warnings that mean something."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("logprob_start_len=%d is not supported for streaming sessions")
+
+
+def _quiet_session_logprob_warning() -> None:
+    logging.getLogger("sglang.srt.managers.schedule_batch").addFilter(_SessionLogprobDefault())
 
 
 def _install_turn_guard() -> None:
