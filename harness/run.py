@@ -242,7 +242,9 @@ async def _train(cfg: Config, out: Path, trainer, model_path: str, state, device
         await evaluate_at(start)  # the starting policy (a resumed run evaluated at its checkpoint already)
     budget = cfg.run.time_budget_s
     with Progress() as progress:
-        bar = progress.add_task("RL steps", total=cfg.run.steps, completed=start)
+        # a time-budgeted run ends on its GPU-seconds, not its step count: the bar counts what ends it
+        bar = (progress.add_task("RL steps", total=cfg.run.steps, completed=start) if budget is None else
+               progress.add_task(f"RL GPU-s of {budget:g}", total=budget, completed=min(gpu_s, budget)))
         for step in range(start, cfg.run.steps):
             if budget is not None and gpu_s >= budget:
                 break  # resumed from the checkpoint that spent the budget
@@ -268,7 +270,11 @@ async def _train(cfg: Config, out: Path, trainer, model_path: str, state, device
             if device.type == "cuda":
                 row["engine_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.log(row)
-            progress.update(bar, advance=1, description=f"RL steps (reward {row['reward']:.3f})")
+            if budget is None:
+                progress.update(bar, advance=1, description=f"RL steps (reward {row['reward']:.3f})")
+            else:
+                progress.update(bar, completed=min(gpu_s, budget),
+                                description=f"RL GPU-s of {budget:g} (step {step + 1}, reward {row['reward']:.3f})")
             last = step + 1 == cfg.run.steps or (budget is not None and gpu_s >= budget)
             evaluate_now = held_out is not None and ((step + 1) % cfg.evaluation.every == 0 or last)
             if evaluate_now or (step + 1) % cfg.run.checkpoint_every == 0 or last:
