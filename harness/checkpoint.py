@@ -15,6 +15,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -49,7 +50,11 @@ def set_rng_state(state: dict) -> None:
 
 def save(directory: str | Path, step: int, payload: dict, *, keep: int | None = None) -> Path:
     """Write step ``step``'s checkpoint and point ``latest`` at it; with ``keep``, step files beyond the newest
-    ``keep`` are then deleted (loading falls back to an older intact one, so keep at least 2 to have one)."""
+    ``keep`` are then deleted (loading falls back to an older intact one, so keep at least 2 to have one).
+
+    Step files above ``step`` are a cut run's, past the checkpoint it resumed from (``latest`` named a damaged
+    file): they go too, or "the newest ``keep``" could delete the file just written and a later fallback would
+    load the abandoned run."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step_{step:06d}.pt"
@@ -60,9 +65,10 @@ def save(directory: str | Path, step: int, payload: dict, *, keep: int | None = 
         os.fsync(f.fileno())
     os.replace(tmp, path)
     atomic_write_bytes(directory / "latest", path.name.encode())
-    if keep is not None:
-        for old in _step_files(directory)[keep:]:
-            old.unlink()
+    files = _step_files(directory)
+    at = files.index(path)
+    for old in files[:at] + (files[at + keep:] if keep is not None else []):
+        shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
     return path
 
 

@@ -168,6 +168,20 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_newest_intact_one(corrupt
     assert f"falling back to {tmp_path / 'step_000004.pt'}" in caplog.text
 
 
+@pytest.mark.parametrize("corruption", ["truncated", "a directory"])
+def test_a_run_resumed_below_a_damaged_checkpoint_keeps_what_it_saves(corruption, tmp_path):
+    """Resumed from step 4 (step 6 damaged), the run saves step 5 with keep=1: step 5 is kept and loads, and the
+    cut run's step 6 is gone (it sorted above step 5 and would have been "the newest one")."""
+    from harness import checkpoint
+
+    save_checkpoints(tmp_path, [2, 4, 6])
+    CORRUPTIONS[corruption](tmp_path / "step_000006.pt")
+    assert checkpoint.load_latest(tmp_path)["step"] == 4
+    checkpoint.save(tmp_path, 5, {"trainer": {}, "orchestrator": {}}, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_000005.pt"]
+    assert checkpoint.load_latest(tmp_path)["step"] == 5
+
+
 @pytest.mark.parametrize("pointer", ["step_000009.pt", "", "../../etc/passwd", "a directory"])
 def test_a_bad_latest_pointer_falls_back_to_the_newest_intact_checkpoint(pointer, tmp_path, caplog):
     from harness import checkpoint
