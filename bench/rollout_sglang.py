@@ -848,8 +848,9 @@ def merge(parts: list[Path], out: Path) -> dict:
                 diff.append(f"compaction of {strategy}")
         if diff:
             raise ValueError(f"{p} was run with other settings than {parts[0]} ({', '.join(diff)}): not comparable")
-    def flat(r: dict, key: str, own) -> list:  # a part that is itself a merge adds its parts
-        return r[key] if "merged_from" in r else [own]
+
+    def flat(r: dict, field: str, own) -> list:  # a part that is itself a merge adds its parts
+        return r[field] if "merged_from" in r else [own]
 
     merged = dict(first, command=[c for r in results for c in flat(r, "command", r["command"])],
                   date=[d for r in results for d in flat(r, "date", r["date"])],

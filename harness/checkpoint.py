@@ -50,7 +50,8 @@ def set_rng_state(state: dict) -> None:
 
 def save(directory: str | Path, step: int, payload: dict, *, keep: int | None = None) -> Path:
     """Write step ``step``'s checkpoint and point ``latest`` at it; with ``keep``, step files beyond the newest
-    ``keep`` are then deleted (loading falls back to an older intact one, so keep at least 2 to have one).
+    ``keep`` up to ``step`` are then deleted (loading falls back to an older intact one, so keep at least 2 to have
+    one).
 
     Step files above ``step`` are a cut run's, past the checkpoint it resumed from (``latest`` named a damaged
     file): they go too, or "the newest ``keep``" could delete the file just written and a later fallback would
