@@ -359,17 +359,28 @@ async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: 
         console.print(f"{cache} is for another config or tokenizer: playing the expert episodes again")
     ep_cfg = episode_config(cfg, temperature=1.0)
     workers = sft.expert_workers or usable_cpus()
+    total = (sft.episodes + sft.probe_episodes) * len(renderings)
+    done, t0 = 0, time.perf_counter()
     with Progress(transient=True, console=console) as progress:
-        bar = progress.add_task("expert episodes", total=(sft.episodes + sft.probe_episodes) * len(renderings))
+        bar = progress.add_task("expert episodes", total=total)
+
+        def advance() -> None:
+            nonlocal done
+            progress.advance(bar)
+            done += 1
+            if not console.is_terminal and (done * 10 // total > (done - 1) * 10 // total or done == total):
+                # a log file sees no live bar: a line every tenth (ALFWorld's 200 games take ~an hour on 2 cores)
+                console.print(f"expert episodes {done}/{total} ({time.perf_counter() - t0:.0f}s)")
+
         episodes, probe = [], []  # episodes: per rendering, per episode, its records; probe: per rendering
         for compaction in renderings:
             episodes.append(await expert_records(taskset, renderer, compaction, ep_cfg, sft,
                                                  split=cfg.environment.train_split, seed=cfg.run.seed,
-                                                 on_episode=lambda: progress.advance(bar), workers=workers))
+                                                 on_episode=advance, workers=workers))
             probe.append([r for ep in await expert_records(
                 taskset, renderer, compaction, ep_cfg, sft.model_copy(update={"episodes": sft.probe_episodes}),
                 split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
-                on_episode=lambda: progress.advance(bar), workers=workers) for r in ep])
+                on_episode=advance, workers=workers) for r in ep])
     buf = io.BytesIO()
     torch.save({"key": key, "episodes": episodes, "probe": probe}, buf)
     checkpoint.atomic_write_bytes(cache, buf.getvalue())

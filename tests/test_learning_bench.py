@@ -4,6 +4,7 @@ targets; a second call with the same state directory redoes nothing."""
 
 import asyncio
 import json
+import re
 
 import pytest
 
@@ -137,7 +138,8 @@ def test_a_cut_sft_resumes_from_its_last_check(bench_state, tmp_path):
     assert report["checkpoints"]["sft_sha256"] == first["checkpoints"]["sft_sha256"]
 
 
-def test_expert_episodes_played_on_another_machine_serve_its_sft_when_the_tokenizer_matches(bench_state, tmp_path):
+def test_expert_episodes_played_on_another_machine_serve_its_sft_when_the_tokenizer_matches(bench_state, tmp_path,
+                                                                                            capsys):
     """The expert stage (a CPU box, before the device calls: bench/device/sft_inputs.sh) plays the games and the
     expert episodes without training; the model does not travel, so the device builds it again, and its SFT uses
     those episodes as long as the rebuilt tokenizer is the same -- a different one plays them again."""
@@ -149,6 +151,8 @@ def test_expert_episodes_played_on_another_machine_serve_its_sft_when_the_tokeni
     args, cfg = tiny_args(tmp_path, games, "expert")
     report = asyncio.run(main_async(args, cfg, "expert stage on a CPU box"))
     episodes = tmp_path / "sft" / "expert_episodes.pt"
+    total = re.findall(r"expert episodes (\d+)/(\d+) \(\d+s\)", capsys.readouterr().out)  # a log: progress lines
+    assert total and total[-1][0] == total[-1][1] and len(total) <= 11, total
     assert report["stages_done"] == ["expert"] and report["sft"] is None
     assert not (tmp_path / "sft" / "model").exists()
     stamp = episodes.stat().st_mtime_ns
