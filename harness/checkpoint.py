@@ -66,11 +66,16 @@ def save(directory: str | Path, step: int, payload: dict, *, keep: int | None = 
         os.fsync(f.fileno())
     os.replace(tmp, path)
     atomic_write_bytes(directory / "latest", path.name.encode())
-    files = _step_files(directory)
-    at = files.index(path)
-    for old in files[:at] + (files[at + keep:] if keep is not None else []):
-        shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+    prune(_step_files(directory), path, keep)
     return path
+
+
+def prune(versions: list[Path], current: Path, keep: int | None) -> None:
+    """Of ``versions`` (newest first), delete those above ``current`` -- a cut run's, past the point its resumed
+    run started from -- and those beyond the ``keep`` newest from ``current`` down (None: keep them)."""
+    at = versions.index(current)
+    for old in versions[:at] + (versions[at + keep:] if keep is not None else []):
+        shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
 
 
 def read(path: Path) -> dict:

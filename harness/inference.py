@@ -17,6 +17,7 @@ import torch
 
 from envs.rollout.client import BuiltinClient
 
+from . import checkpoint
 from .config import InferenceConfig
 from .distributed import trainer_device
 from .weight_broadcast import WeightBroadcast, unique_tensors
@@ -98,12 +99,8 @@ class SGLangInference:
         save_file(weights, tmp / "model.safetensors")
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)
-        # keep this version and the one before it; a resumed run writes versions a crashed run had passed, so
-        # "the newest two" would delete the one just written
-        older = sorted(p for p in self.weights_dir.glob("v*") if p.name < target.name)
-        for old in self.weights_dir.glob("v*"):
-            if old != target and old not in older[-1:]:
-                shutil.rmtree(old, ignore_errors=True)
+        # this version and the one before it; a resumed run writes versions a crashed run had passed
+        checkpoint.prune(sorted(self.weights_dir.glob("v*"), reverse=True), target, keep=2)
         return target
 
     async def update_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
