@@ -95,6 +95,30 @@ def test_targets_say_what_is_short():
     assert t["gpu_s_to_reprefill_final"]["met"] is None and "already" in t["gpu_s_to_reprefill_final"]["why"]
 
 
+def test_targets_wait_for_the_runs_they_compare_to_finish_on_one_kind_of_gpu():
+    """A run cut before its budget's end has no final win rate yet (H100, 2026-12-06: full_context cut at 37 of
+    its 100 GPU-s read as 'met'); GPU-seconds of an H100 and an H200 are not one unit."""
+    def pts(*xs):
+        return [{"gpu_s": g, "win_rate": w} for g, w in xs]
+
+    points = {"kv_streams": pts((0, 0.375), (36.7, 0.61), (74.7, 0.67), (111.1, 0.75)),
+              "reprefill": pts((0, 0.39), (87.1, 0.58), (116.4, 0.66)),
+              "full_context": pts((0, 0.39), (20.5, 0.66), (43.2, 0.58))}
+    cut = targets(points, LearningConfig().targets, finished={"kv_streams": True, "reprefill": True,
+                                                             "full_context": False})
+    assert cut["rl_lift"]["met"] and "provisional_met" not in cut["rl_lift"]
+    assert cut["gpu_s_to_reprefill_final"]["met"] is False  # judged: both runs finished
+    assert cut["gpu_s_to_reprefill_final"]["ratio"] == pytest.approx(74.7 / 116.4)
+    fc = cut["vs_full_context"]
+    assert fc["met"] is None and fc["provisional_met"] is True and "full_context not finished" in fc["why"]
+    assert fc["gap"] == pytest.approx(0.58 - 0.75)  # the numbers so far stay
+    mixed = targets(points, LearningConfig().targets, devices={"kv_streams": "NVIDIA H100 80GB HBM3",
+                                                               "reprefill": "NVIDIA H200", "full_context": None})
+    assert mixed["gpu_s_to_reprefill_final"]["met"] is None and "different GPUs" in mixed[
+        "gpu_s_to_reprefill_final"]["why"]
+    assert mixed["vs_full_context"]["met"] is True  # win rates compare across GPUs
+
+
 def test_a_machine_without_the_checkpoint_does_sft_again_and_records_its_hash(bench_state):
     """What a fresh device machine sees when the state came back without the checkpoint (it never travels):
     the next run's stage does SFT again (same seed, same data) and records the hash it started from."""

@@ -25,7 +25,8 @@
 # one carry, for TextWorld: `bash bench/device/env_bundle.sh .devenv_tw textworld` (~5 MB) and
 # `ENV_BUNDLE=.devenv_tw LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld`, carrying .device_sgl
 # and .devenv_tw (a fresh machine then needs no earlier call).
-# Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, and
+# Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, the SGLang servers'
+# logs (learning_ENV_server_logs.tar.xz), and
 # jit_cache.tar.xz (the JIT caches, bench/device/jit_cache.sh: carry it as .devcache/jit_cache.tar.xz to skip the
 # compiles next time).
 set -o pipefail
@@ -64,6 +65,7 @@ timeout ${LEARNING_TIMEOUT:-530} "${BENCH[@]}" --stage "${@:-all}" "${SERVING[@]
 rc=$?
 [ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report "${SERVING[@]}" $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
 tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights \
-  --exclude=expert_episodes.pt .
+  --exclude=expert_episodes.pt --exclude='*.server.log' .  # small enough to carry beside .device_sgl
+(cd "$STATE" && ls runs/*.server.log >/dev/null 2>&1 && tar -cJf "$OUT/learning_${ENV}_server_logs.tar.xz" runs/*.server.log)
 jit_cache_save "$OUT"
 exit $rc
