@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from harness.config import load_config
-from harness.sft import micro_batches
+from harness.trainer import micro_batches
 from trainer_masks import StreamRecord
 from trainer_masks.masks import flex_block_mask, pack
 from trainer_masks.scoring import score_packed

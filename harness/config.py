@@ -137,6 +137,9 @@ class TrainerConfig(Section):
                              "weighs the same, its tokens share it (GRPO)")
     micro_batch_records: int = Field(4, ge=1, description="records packed per forward (attention is quadratic "
                                                           "in the packed length on the dense CPU path)")
+    micro_batch_tokens: int | None = Field(None, ge=1, description="also caps a forward's packed tokens: a "
+                                           "re-prefilled episode is a short record per window, so a forward of "
+                                           "micro_batch_records of them alone leaves the GPU idle")
     impl: Literal["auto", "sdpa", "flex", "invariant"] = Field(
         "auto", description="attention for scoring: auto (flex on CUDA, sdpa on CPU), sdpa, flex, or invariant (the "
                             "batch-invariant kernels, with inference.batch_invariant)")

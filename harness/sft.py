@@ -47,7 +47,7 @@ from trainer_masks.scoring import score_streams
 from .config import Config, TrainerConfig
 from .evaluate import episode_config, evaluate, make_engine
 from .metrics import MetricsLog
-from .trainer import Trainer
+from .trainer import Trainer, micro_batches
 
 # Strategies whose compaction asks the model a question (a summary, a pick): the expert has
 # no answer for those, so their records cannot be built this way.
@@ -192,22 +192,6 @@ async def _play_expert(taskset: TaskSet, tasks: list[Task], renderer: ChatRender
         return ep.records
 
     return list(await asyncio.gather(*(one(i) for i in indices)))
-
-
-def micro_batches(records: list[StreamRecord], max_records: int,
-                  max_tokens: int | None = None) -> list[list[StreamRecord]]:
-    """``records`` in order, packed greedily into forwards of at most ``max_records`` records and (when given)
-    ``max_tokens`` tokens; a record longer than ``max_tokens`` goes alone. Packing by tokens is what keeps a
-    re-prefilled episode (a short record per compaction) from costing a forward per handful of windows."""
-    out: list[list[StreamRecord]] = []
-    tokens = 0
-    for r in records:
-        if not out or len(out[-1]) >= max_records or (max_tokens is not None and tokens + len(r) > max_tokens):
-            out.append([])
-            tokens = 0
-        out[-1].append(r)
-        tokens += len(r)
-    return out
 
 
 def expert_nll(trainer: Trainer, parts: list[list[StreamRecord]], *, micro_batch: int = 4,

@@ -56,6 +56,22 @@ def shard_batch(samples: list[TrainSample], world: int, loss_norm: str) -> list[
     return [weighted[r::world] + [pad] * (per_rank - len(weighted[r::world])) for r in range(world)]
 
 
+def micro_batches(items: list, max_items: int, max_tokens: int | None = None, size=len) -> list[list]:
+    """``items`` in order, packed greedily into forwards of at most ``max_items`` and (when given) ``max_tokens``
+    tokens (``size(item)``); an item longer than ``max_tokens`` goes alone. Packing by tokens keeps a re-prefilled
+    episode (a short record per compaction) from costing a forward per handful of windows."""
+    out: list[list] = []
+    tokens = 0
+    for item in items:
+        n = size(item)
+        if not out or len(out[-1]) >= max_items or (max_tokens is not None and tokens + n > max_tokens):
+            out.append([])
+            tokens = 0
+        out[-1].append(item)
+        tokens += n
+    return out
+
+
 class WarmupSchedule:
     """The learning rate at each optimizer step: linear warm-up over ``warmup_steps``, then
     constant. Adam's first steps move every weight by about the full learning rate whatever the
@@ -131,8 +147,8 @@ class Trainer:
         sums = dict.fromkeys(METRIC_SUMS, 0.0)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        for start in range(0, len(local), c.micro_batch_records):
-            for k, v in self.forward_backward(local[start:start + c.micro_batch_records]).items():
+        for chunk in self.micro_batches(local):
+            for k, v in self.forward_backward(chunk).items():
                 sums[k] += v
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
         lr = self.schedule(self.step_count)
@@ -141,6 +157,18 @@ class Trainer:
         self.optimizer.step()
         self.step_count += 1
         return self.reduce_metrics(sums, grad_norm, lr)
+
+    def micro_batches(self, local: list[TrainSample]) -> list[list[TrainSample]]:
+        """This rank's forwards (``micro_batch_records``, ``micro_batch_tokens``). Packed by tokens, ranks can
+        need different numbers of forwards, while FSDP's collectives run once per forward on every rank: the
+        shorter ranks add forwards of a zero-weight record."""
+        c = self.config
+        chunks = micro_batches(local, c.micro_batch_records, c.micro_batch_tokens, size=lambda s: len(s.record))
+        if c.micro_batch_tokens is not None and dist.get_world_size() > 1:
+            most = torch.tensor([len(chunks)], device=self.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX)
+            chunks += [[dataclasses.replace(local[0], weight=0.0)]] * (int(most) - len(chunks))
+        return chunks
 
     def forward_backward(self, micro_batch: list[TrainSample]) -> dict[str, float]:
         """Score one micro-batch (policy and, for the KL term, reference), backward its share of the

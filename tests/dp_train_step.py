@@ -1,5 +1,5 @@
-"""torchrun helper for test_trainer_data_parallel: one train step (each rank scores its shard of the batch), then
-rank 0 saves the weights."""
+"""torchrun helper for test_data_parallel_fsdp2_step_equals_one_process: one train step (each rank scores its shard
+of the batch), then rank 0 saves the weights."""
 
 import sys
 
@@ -27,7 +27,10 @@ def samples() -> list[TrainSample]:
 
 if __name__ == "__main__":
     model_path, out_path = sys.argv[1], sys.argv[2]
-    trainer = Trainer(model_path, TrainerConfig(lr=1e-2, micro_batch_records=2, impl="sdpa"), torch.device("cpu"))
+    # packed by tokens too: rank 0's records (20, 34, 48 tokens) take 2 forwards, rank 1's (27, 41 and a padding
+    # copy of 20) take 3, so rank 0 must add one of its own for FSDP's collectives to meet
+    config = TrainerConfig(lr=1e-2, micro_batch_records=2, micro_batch_tokens=60, impl="sdpa")
+    trainer = Trainer(model_path, config, torch.device("cpu"))
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     metrics = trainer.train_step(shard_batch(samples(), world, trainer.config.loss_norm)[rank])
     state = trainer.engine_weights()

@@ -110,7 +110,7 @@ def test_sft_batches_take_whole_episodes_from_every_rendering():
 
 
 def test_sft_micro_batches_pack_records_by_count_and_tokens():
-    from harness.sft import micro_batches
+    from harness.trainer import micro_batches
 
     records = ["a" * n for n in (5, 5, 5, 20, 3, 3)]
     assert [len(b) for b in micro_batches(records, 4)] == [4, 2]
