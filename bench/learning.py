@@ -531,6 +531,8 @@ def targets(points: dict[str, list[dict]], t: TargetsConfig, finished: dict[str,
     (a cut run's last point is not its final one): its numbers so far stay, as ``provisional_met``. ``devices``:
     the GPU each run ran on, where recorded; GPU-seconds from two kinds of GPU are not compared."""
     kv, rp, fc = points["kv_streams"], points["reprefill"], points["full_context"]
+    finished = dict.fromkeys(points, True) if finished is None else finished
+    devices = devices or {}
     out: dict[str, dict] = {}
     if len(kv) >= 2:
         lift = kv[-1]["win_rate"] - kv[0]["win_rate"]
@@ -576,8 +578,8 @@ def targets(points: dict[str, list[dict]], t: TargetsConfig, finished: dict[str,
     for key, entry in out.items():
         if entry["met"] is None:
             continue
-        cut = [n for n in runs_of[key] if not (finished or {}).get(n, finished is None)]
-        gpus = {(devices or {}).get(n) for n in runs_of[key]} - {None}
+        cut = [n for n in runs_of[key] if not finished.get(n, False)]
+        gpus = {devices.get(n) for n in runs_of[key]} - {None}
         if cut:
             entry.update(provisional_met=entry["met"], met=None,
                          why=f"{' and '.join(cut)} not finished: numbers so far")
