@@ -34,6 +34,7 @@ sha256 of the checkpoint it started from and the report says whether the three m
     python -m bench.learning --config configs/textworld/gpu_small.toml --out-dir runs/learning/textworld \\
         [--stage all|expert|sft|kv_streams|reprefill|full_context|fidelity|report ...] [--json PATH] \\
         [--section.key value ...]
+    python -m bench.learning merge A.json B.json --out C.json   # runs finished in different calls or machines
 """
 
 from __future__ import annotations
@@ -620,6 +621,69 @@ def plot(path: Path, report: dict) -> Path:
     return path
 
 
+def merge(parts: list[Path], out: Path) -> dict:
+    """One report from reports of the same bench (same config, same SFT checkpoint) whose runs were done in
+    different calls or on different machines: a run's checkpoints never travel, so a run finished on a machine
+    handed back stays in the report that machine wrote. Each run is taken from the first part where it finished
+    (else from the part where it got furthest), and the targets are judged again over the runs taken."""
+    reports = [read_json(p) for p in parts]
+    for p, r in zip(parts, reports, strict=True):
+        if r is None:
+            raise SystemExit(f"error: {p}: no report there")
+    first = reports[0]
+    for p, r in zip(parts[1:], reports[1:], strict=True):
+        if r["environment"] != first["environment"]:
+            raise SystemExit(f"error: {p} is {r['environment']}, {parts[0]} is {first['environment']}")
+        diff = config_diff(first["config"], r["config"])
+        if diff:
+            raise SystemExit(f"error: {p} and {parts[0]} ran different configs ({', '.join(diff)}): not one bench")
+    shas = {r["checkpoints"]["sft_sha256"] for r in reports} - {None}
+    if len(shas) > 1:
+        raise SystemExit(f"error: the parts started from different SFT checkpoints ({', '.join(sorted(shas))}): "
+                         "their runs do not compare")
+
+    def furthest(name: str) -> int:
+        runs = [r["runs"][name] for r in reports]
+        done = [i for i, run in enumerate(runs) if run["done"] is not None]
+        return done[0] if done else max(range(len(runs)), key=lambda i: runs[i]["gpu_s"])
+
+    taken = {name: furthest(name) for name in RUNS}
+    runs = {name: dict(reports[i]["runs"][name], taken_from=str(parts[i])) for name, i in taken.items()}
+    fidelity = next((r["sampler_fidelity"] for r in reports if r.get("sampler_fidelity")), None)
+    devices = {n: (run["done"] or {}).get("device") for n, run in runs.items()}
+    merged = dict(
+        {k: v for k, v in first.items() if k not in ("rescored", "merged_from")},
+        device=" / ".join(dict.fromkeys(r["device"] for r in reports)),
+        stages_done=[s for s in STAGES if any(s in r["stages_done"] for r in reports)],
+        commands=[dict(c, report=str(p)) for p, r in zip(parts, reports, strict=True) for c in r["commands"]],
+        sft=next((r["sft"] for r in reports if r.get("sft")), None),
+        runs=runs,
+        targets=targets({n: run["points"] for n, run in runs.items()}, TargetsConfig(**first["config"]["targets"]),
+                        finished={n: run["done"] is not None for n, run in runs.items()}, devices=devices),
+        sampler_fidelity=fidelity,
+        merged_from=[str(p) for p in parts])
+    started_from = {n: (run["done"] or {}).get("sft_sha256") for n, run in runs.items()}
+    merged["checkpoints"] = dict(first["checkpoints"], sft_sha256=next(iter(shas), None),
+                                 runs_started_from=started_from,
+                                 same_sft_checkpoint=len(set(started_from.values()) - {None}) <= 1)
+    write_json(out, merged)
+    plot(out.with_suffix(".png"), merged)
+    return merged
+
+
+def config_diff(a: dict, b: dict, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two configs (as dumped in reports)."""
+    keys = sorted(set(a) | set(b))
+    out = []
+    for k in keys:
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += config_diff(x, y, f"{prefix}{k}.")
+        elif x != y:
+            out.append(f"{prefix}{k}")
+    return out
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="other --section.key value arguments override the config")
@@ -677,6 +741,16 @@ def summary_table(report: dict):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["merge"]:  # python -m bench.learning merge A.json B.json --out C.json
+        p = argparse.ArgumentParser(prog="python -m bench.learning merge", description=merge.__doc__.split("\n\n")[0])
+        p.add_argument("parts", nargs="+", type=Path, help="reports; a run is taken from the first that finished it")
+        p.add_argument("--out", type=Path, required=True, help="the merged report; PNG beside")
+        m = p.parse_args(argv[1:])
+        merged = merge(m.parts, m.out)
+        from rich.console import Console
+
+        Console().print(summary_table(merged))
+        return 0
     args, overrides = parse_args(argv)
     from .sglang_servers import unwind_on_sigterm
 

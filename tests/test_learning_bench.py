@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from bench.learning import RUNS, STAGES, LearningConfig, main_async, parse_args, targets
+from bench.learning import RUNS, STAGES, LearningConfig, main, main_async, parse_args, targets
 from harness.config import load_config
 
 
@@ -117,6 +117,42 @@ def test_targets_wait_for_the_runs_they_compare_to_finish_on_one_kind_of_gpu():
     assert mixed["gpu_s_to_reprefill_final"]["met"] is None and "different GPUs" in mixed[
         "gpu_s_to_reprefill_final"]["why"]
     assert mixed["vs_full_context"]["met"] is True  # win rates compare across GPUs
+
+
+def test_merge_takes_each_run_from_the_report_that_finished_it(bench_state, tmp_path):
+    """Runs done on machines handed back (checkpoints never travel) are joined into one report, judged again;
+    reports of another config or another SFT checkpoint are refused."""
+    import copy
+
+    _, _, report = bench_state
+    early, late = copy.deepcopy(report), copy.deepcopy(report)
+    early["runs"]["full_context"].update(done=None, points=report["runs"]["full_context"]["points"][:2])
+    late["runs"]["kv_streams"].update(done=None, points=[])
+    late["runs"]["reprefill"].update(done=None, points=report["runs"]["reprefill"]["points"][:1])
+    late["rescored"] = "stale targets"
+    paths = [tmp_path / "early.json", tmp_path / "late.json"]
+    for path, r in zip(paths, (early, late), strict=True):
+        path.write_text(json.dumps(r))
+    out = tmp_path / "merged.json"
+    assert main(["merge", *map(str, paths), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert (tmp_path / "merged.png").stat().st_size > 0
+    taken = {n: r["taken_from"] for n, r in merged["runs"].items()}
+    assert taken == {"kv_streams": str(paths[0]), "reprefill": str(paths[0]), "full_context": str(paths[1])}
+    assert {n: r["points"] for n, r in merged["runs"].items()} == {n: r["points"] for n, r in report["runs"].items()}
+    assert merged["targets"] == report["targets"] and "rescored" not in merged
+    assert merged["merged_from"] == list(map(str, paths)) and len(merged["commands"]) == 2 * len(report["commands"])
+    assert merged["checkpoints"]["same_sft_checkpoint"]
+    other = copy.deepcopy(late)
+    other["config"]["run"]["seed"] += 1
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="run.seed"):
+        main(["merge", *map(str, paths), "--out", str(out)])
+    other = copy.deepcopy(late)
+    other["checkpoints"]["sft_sha256"] = "0" * 64
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="different SFT checkpoints"):
+        main(["merge", *map(str, paths), "--out", str(out)])
 
 
 def test_a_machine_without_the_checkpoint_does_sft_again_and_records_its_hash(bench_state):
