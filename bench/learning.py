@@ -655,7 +655,7 @@ def merge(parts: list[Path], out: Path) -> dict:
         {k: v for k, v in first.items() if k not in ("rescored", "merged_from")},
         device=" / ".join(dict.fromkeys(r["device"] for r in reports)),
         stages_done=[s for s in STAGES if any(s in r["stages_done"] for r in reports)],
-        commands=[dict(c, report=str(p)) for p, r in zip(parts, reports, strict=True) for c in r["commands"]],
+        commands=[{"report": str(p), **c} for p, r in zip(parts, reports, strict=True) for c in r["commands"]],
         sft=next((r["sft"] for r in reports if r.get("sft")), None),
         runs=runs,
         targets=targets({n: run["points"] for n, run in runs.items()}, TargetsConfig(**first["config"]["targets"]),
