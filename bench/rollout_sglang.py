@@ -1005,8 +1005,9 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
     return result
 
 
-def concentration(a, argv) -> dict:
-    """Synchronous waves vs continuous refill on one server (``--conc-config``), full context, long tails."""
+def concentration(a, argv, server=None) -> dict:
+    """Synchronous waves vs continuous refill on one server (``--conc-config``; ``server``: one already started with
+    that config's flags, as the tests pass), full context, long tails."""
     from . import kv_concentration
 
     t_start = time.perf_counter()
@@ -1024,9 +1025,10 @@ def concentration(a, argv) -> dict:
                                      total=length_stats([e.total for e in specs]),
                                      generated=length_stats([e.generated for e in specs]),
                                      alpha=a.conc_alpha, max_turns=a.conc_max_turns))
-    server = server_for(setup, a, a.port, a.out.parent / "logs")
+    given = server
+    server = given or server_for(setup, a, a.port, a.out.parent / "logs")
     modes = {}
-    with server:
+    with contextlib.nullcontext(given) if given else server:
         info = server.server_info()
         pool_tokens = int(info["max_total_num_tokens"])
         rows = int(info.get("max_running_requests") or a.max_running_requests)
@@ -1055,6 +1057,8 @@ def concentration(a, argv) -> dict:
                 tokens_per_s=sum(k for _, k in run["meter"].generated) / (e.t - s.t), step_profile=prof)
             print(f"{mode}: {modes[mode]['wall_s']:.1f}s, batch {dec['mean_batch']:.1f}, {dec['steps']} decode "
                   f"steps, {modes[mode]['mean_decode_step_ms']:.2f} ms/step", flush=True)
+            # a call cut during the second mode still brings the first back
+            a.out.write_text(json.dumps(dict(result, partial=True, modes=modes), indent=1, default=str) + "\n")
     result.update(kv_concentration.concentration(modes["refill"], modes["waves"], specs, a.conc_batch))
     result["theory"]["e_max_over_e_l_turns"] = expected_max_over_mean([len(e.turns) for e in specs], a.conc_batch)
     result["total_s"] = time.perf_counter() - t_start

@@ -441,6 +441,44 @@ def test_bench_measures_two_cpu_servers(cpu_servers):
 
 
 @pytestmark_sglang
+def test_concentration_study_runs_refill_then_waves_on_one_cpu_server(cpu_servers, tmp_path):
+    """``--study concentration`` (issue 22's KV-concentration item) on our server: the same long-tailed episodes
+    continuously refilled, then in synchronous waves of ``--conc-batch``; the JSON holds refill alone until waves
+    end."""
+    import json
+
+    from bench.rollout_sglang import concentration, parse_args
+
+    a, servers = cpu_servers
+    argv = ["--model", str(a.model), "--study", "concentration", "--device", "cpu", "--out", str(tmp_path / "c.json"),
+            "--conc-batch", "4", "--conc-episodes", "8", "--conc-max-turns", "6", "--length-scale", "0.15",
+            "--max-running-requests", "16", "--free-rows", "2", "--max-total-tokens", "2048"]
+    c = parse_args(argv)
+    partial = []
+    write_text = type(c.out).write_text
+
+    def recording_write(path, text, *args, **kw):
+        partial.append(json.loads(text))
+        return write_text(path, text, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(type(c.out), "write_text", recording_write)
+        result = concentration(c, argv, server=servers["streams_bf16"])
+    assert servers["streams_bf16"].server_info()  # a server it was given stays up
+    assert partial[0]["partial"] and list(partial[0]["modes"]) == ["refill"]
+    saved = json.loads(c.out.read_text())
+    assert "partial" not in saved and saved["c_kv_measured"] == pytest.approx(result["c_kv_measured"])
+    assert result["episodes"] == 8 and result["pool_tokens"] == 2048
+    for mode in ("refill", "waves"):
+        m = result[mode]
+        assert m["episodes_failed"] == 0 and m["decode_calls"] > 0 and m["tokens_per_s"] > 0, (mode, m)
+        assert 0 < m["mean_decode_batch"] <= 4 and m["mean_resident_kv_tokens"] > 0, (mode, m)
+    assert result["waves"]["waves"] == 2 and result["refill"]["waves"] == 0
+    assert result["theory"]["scheduled_call_ratio_these_episodes"] >= 1.0
+    assert c.out.with_suffix(".png").stat().st_size > 1000
+
+
+@pytestmark_sglang
 def test_a_server_whose_port_was_taken_starts_on_another(cpu_servers):
     """Another process bound the stock server's port before it did (CI saw it: SGLang logs the bind error and its
     process stays up, so the bench waited out its 900 s start timeout): ``Server.start`` noticed the log line and
