@@ -4,6 +4,7 @@
 #   bash bench/device/rollout_check.sh ours    # configs 3-5 (ours bf16 / kv4rl KV-streams, kv4rl full context)
 #   bash bench/device/rollout_check.sh quick   # stock bf16 and ours kv4rl, Sliding Window only
 #   bash bench/device/rollout_check.sh concentration  # waves vs refill, long-tailed episodes, one server
+#     (CONC_ARGS="--conc-episodes 64 --conc-timeout 100": bench.rollout_sglang's --conc-* options, for a short call)
 # CONFIGS=a,b and STRATEGIES=x,y override a mode's lists; PREFILL_GRAPH=disabled runs every server's prefill eagerly;
 # TURN_BATCHING=0.25 (TURN_BATCH_MS=30) holds prefills back on every server (bench.rollout_sglang --turn-batching:
 # SGLang's prefill delayer, stock and ours alike since 2026-12-05; ours ran its own copy of the rule before).
@@ -76,7 +77,7 @@ case $MODE in
     --strategies ${STRATEGIES:-sliding_window,markovian_thinker} --out "$OUT/rollout_sglang_stock_h200.json" ;;
   ours) timeout $LIMIT python3 -m bench.rollout_sglang $COMMON --configs ${CONFIGS:-streams_bf16,streams_kv4rl,kv4rl_full} \
     --strategies ${STRATEGIES:-sliding_window,markovian_thinker} --out "$OUT/rollout_sglang_ours_h200.json" ;;
-  concentration) timeout $LIMIT python3 -m bench.rollout_sglang --model $MODEL --study concentration \
+  concentration) timeout $LIMIT python3 -m bench.rollout_sglang --model $MODEL --study concentration ${CONC_ARGS:-} \
     --out "$OUT/kv_concentration_sglang_h200.json" ;;
   *) echo "usage: bash bench/device/rollout_check.sh [quick|stock|ours|concentration]"; exit 2 ;;
 esac
