@@ -458,7 +458,8 @@ def test_concentration_study_runs_refill_then_waves_on_one_cpu_server(cpu_server
     write_text = type(c.out).write_text
 
     def recording_write(path, text, *args, **kw):
-        partial.append(json.loads(text))
+        if path == c.out:
+            partial.append(json.loads(text))
         return write_text(path, text, *args, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
