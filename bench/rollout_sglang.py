@@ -1005,7 +1005,7 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
     return result
 
 
-def concentration(a, argv, server=None) -> dict:
+def concentration(a, argv, server: Server | None = None) -> dict:
     """Synchronous waves vs continuous refill on one server (``--conc-config``; ``server``: one already started with
     that config's flags, as the tests pass), full context, long tails."""
     from . import kv_concentration
