@@ -1057,8 +1057,8 @@ def concentration(a, argv, server: Server | None = None) -> dict:
                 tokens_per_s=sum(k for _, k in run["meter"].generated) / (e.t - s.t), step_profile=prof)
             print(f"{mode}: {modes[mode]['wall_s']:.1f}s, batch {dec['mean_batch']:.1f}, {dec['steps']} decode "
                   f"steps, {modes[mode]['mean_decode_step_ms']:.2f} ms/step", flush=True)
-            # a call cut during the second mode still brings the first back
-            a.out.write_text(json.dumps(dict(result, partial=True, modes=modes), indent=1, default=str) + "\n")
+            if mode == "refill":  # a call cut during waves still brings refill back
+                a.out.write_text(json.dumps(dict(result, partial=True, modes=modes), indent=1, default=str) + "\n")
     result.update(kv_concentration.concentration(modes["refill"], modes["waves"], specs, a.conc_batch))
     result["theory"]["e_max_over_e_l_turns"] = expected_max_over_mean([len(e.turns) for e in specs], a.conc_batch)
     result["total_s"] = time.perf_counter() - t_start
