@@ -449,12 +449,14 @@ class LearningBench:
         path = self.run_dir(name) / "metrics.jsonl"
         rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
         points = self.points(name)
+        # the run's clock at its end: a step's row is written before the drain that precedes an evaluation (and a
+        # checkpoint), so the last evaluation's clock, after that drain, may be the later one
+        gpu_s = max([r["gpu_s"] for r in rows[-1:]] + [p["gpu_s"] for p in points[-1:]], default=0.0)
         return {
             "settings": RUNS[name], "done": read_json(self.run_dir(name) / "done.json"), "points": points,
             # the evaluations' wall time, outside the runs' GPU time (call time all the same)
             "eval_s": round(sum(x["seconds"] or 0.0 for p in points for x in p["splits"].values()), 1),
-            "steps": len(rows), "gpu_s": rows[-1]["gpu_s"] if rows else 0.0,
-            "gpu_s_per_step": round(rows[-1]["gpu_s"] / len(rows), 2) if rows else None,
+            "steps": len(rows), "gpu_s": gpu_s, "gpu_s_per_step": round(gpu_s / len(rows), 2) if rows else None,
             "tokens_generated": sum(r["tokens_generated"] for r in rows),
             "tokens_reprefilled": sum(r["tokens_reprefilled"] for r in rows),
             "peak_live_kv_tokens": max((r["peak_live_kv_tokens"] for r in rows), default=0),

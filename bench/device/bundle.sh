@@ -12,5 +12,6 @@ if compgen -G ".devtools/*.whl" > /dev/null && [ ! -f /tmp/site/.devtools_instal
     touch /tmp/site/.devtools_installed
 fi
 source bench/device/jit_cache.sh && jit_cache_restore
+source bench/device/card.sh
 # stand-ins for what the bundle leaves out and SGLang imports at start-up (bench/device/stubs/*: why, in each)
 export PYTHONPATH=/tmp/site:$PWD/bench/device/stubs:$PWD PYTHONUNBUFFERED=1

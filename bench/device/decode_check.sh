@@ -28,5 +28,5 @@ timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --durati
 timeout ${PYTEST_TIMEOUT:-150} python3 -m pytest -q -p no:cacheprovider --durations=5 \
   tests/test_kernels_store.py -k cuda 2>&1 | tee -a "$OUT/decode.log" | tail -15
 timeout ${BENCH_TIMEOUT:-150} python3 -m bench.decode_attention --shapes '128,8192;64,2048;64,4096' --graph \
-  --max-context ${MAX_CONTEXT:-32768} --out "$OUT/decode_check_h200.json" 2>&1 | tee -a "$OUT/decode.log"
+  --max-context ${MAX_CONTEXT:-32768} --out "$OUT/decode_check_${DEVICE_CARD}.json" 2>&1 | tee -a "$OUT/decode.log"
 true

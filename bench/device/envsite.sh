@@ -8,4 +8,5 @@ if [ ! -f /tmp/envsite/.installed ]; then
     && touch /tmp/envsite/.installed || return 1
 fi
 source bench/device/jit_cache.sh && jit_cache_restore
+source bench/device/card.sh
 export PYTHONPATH=/tmp/envsite:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

@@ -25,8 +25,8 @@
 # one carry, for TextWorld: `bash bench/device/env_bundle.sh .devenv_tw textworld` (~5 MB) and
 # `ENV_BUNDLE=.devenv_tw LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld`, carrying .device_sgl
 # and .devenv_tw (a fresh machine then needs no earlier call).
-# Results in $OUT (or bench/results/check): learning_ENV_h200.json, its PNG, the log, the state, the SGLang servers'
-# logs (learning_ENV_server_logs.tar.xz), and
+# Results in $OUT (or bench/results/check): learning_ENV_CARD.json (CARD: the card the call got, h100 or h200), its
+# PNG, the log, the state, the SGLang servers' logs (learning_ENV_server_logs.tar.xz), and
 # jit_cache.tar.xz (the JIT caches, bench/device/jit_cache.sh: carry it as .devcache/jit_cache.tar.xz to skip the
 # compiles next time).
 set -o pipefail
@@ -58,7 +58,7 @@ fi
 export ALFWORLD_DATA=/tmp/alfworld_data KVSTREAMS_CACHE=/tmp/kvstreams_cache \
   LEARNING_DEVICE_COMMAND="bash bench/device/learning_check.sh $ENV $*"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
-JSON="$OUT/learning_${ENV}_h200.json"
+JSON="$OUT/learning_${ENV}_${DEVICE_CARD}.json"
 # LEARNING_TIMEOUT: seconds for the stages (default 530); LEARNING_ARGS: config overrides for every stage (e.g. "--run.time_budget_s 150"); PYTHON: the interpreter
 BENCH=(${PYTHON:-python3} -m bench.learning --config "configs/$ENV/gpu_small.toml" --out-dir "$STATE" --json "$JSON")
 timeout ${LEARNING_TIMEOUT:-530} "${BENCH[@]}" --stage "${@:-all}" "${SERVING[@]}" $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"

@@ -12,7 +12,7 @@
 # call stack that makes the scheduler wait for the GPU (kvstreams_sglang/sglang_ext/sync_report.py; in server_logs).
 # CHECK_GRAPHS=1: the decode graph-step test first, falling back to op-by-op planning if it fails (below; ~1 min:
 # give the rollouts ROLLOUT_TIMEOUT=420 to stay within one call).
-# then, here: python -m bench.rollout_sglang merge stock.json ours.json --out bench/results/rollout_sglang_h200.json
+# then, here: python -m bench.rollout_sglang merge stock.json ours.json --out bench/results/rollout_sglang_CARD.json
 # (the same episode list and seed in both calls; the merge refuses parts run with other settings).
 # What the first run taught (2026-12-02, bench/results/rollout_sglang_h200.json):
 # - a fresh machine spends ~150 s of stock's start-up in FlashInfer's JIT (fp8 KV has its own kernels), and every
@@ -72,13 +72,13 @@ COMMON="--model $MODEL --warmup ${WARMUP:-15} --duration ${DURATION:-45} --min-d
 LIMIT=${ROLLOUT_TIMEOUT:-540}
 case $MODE in
   quick) timeout $LIMIT python3 -m bench.rollout_sglang $COMMON --configs ${CONFIGS:-stock_bf16,streams_kv4rl} \
-    --strategies ${STRATEGIES:-sliding_window} --out "$OUT/rollout_sglang_quick_h200.json" ;;
+    --strategies ${STRATEGIES:-sliding_window} --out "$OUT/rollout_sglang_quick_${DEVICE_CARD}.json" ;;
   stock) timeout $LIMIT python3 -m bench.rollout_sglang $COMMON --configs ${CONFIGS:-stock_bf16,stock_fp8} \
-    --strategies ${STRATEGIES:-sliding_window,markovian_thinker} --out "$OUT/rollout_sglang_stock_h200.json" ;;
+    --strategies ${STRATEGIES:-sliding_window,markovian_thinker} --out "$OUT/rollout_sglang_stock_${DEVICE_CARD}.json" ;;
   ours) timeout $LIMIT python3 -m bench.rollout_sglang $COMMON --configs ${CONFIGS:-streams_bf16,streams_kv4rl,kv4rl_full} \
-    --strategies ${STRATEGIES:-sliding_window,markovian_thinker} --out "$OUT/rollout_sglang_ours_h200.json" ;;
+    --strategies ${STRATEGIES:-sliding_window,markovian_thinker} --out "$OUT/rollout_sglang_ours_${DEVICE_CARD}.json" ;;
   concentration) timeout $LIMIT python3 -m bench.rollout_sglang --model $MODEL --study concentration ${CONC_ARGS:-} \
-    --out "$OUT/kv_concentration_sglang_h200.json" ;;
+    --out "$OUT/kv_concentration_sglang_${DEVICE_CARD}.json" ;;
   *) echo "usage: bash bench/device/rollout_check.sh [quick|stock|ours|concentration]"; exit 2 ;;
 esac
 rc=$?

@@ -5,7 +5,7 @@
 # First the sandbox: bubblewrap, patch (from .devswe/debs where the image lacks them) and git must run, and bwrap
 # must be able to create its namespaces in the device's container; if not, one line says which and the script exits 3.
 # Then `python -m bench.swe_e2e` with configs/swe/gpu_small.toml (3 GRPO steps, Sliding Window + KV-streams + kv4rl,
-# a random ~20M Qwen3 on the built-in engine) on the carried task set. Results: $OUT/swe_e2e_h200.json (rewards and
+# a random ~20M Qwen3 on the built-in engine) on the carried task set. Results: $OUT/swe_e2e_CARD.json (rewards and
 # the time split per step), the log, metrics.jsonl.
 set -o pipefail
 OUT=${OUT:-bench/results/check}
@@ -28,7 +28,7 @@ probe=$(${PYTHON:-python3} -c "from envs.swe.sandbox import require_bwrap; requi
   echo "SWE on this device: blocked: $(echo "$probe" | tail -1)"; exit 3; }
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 timeout 540 ${PYTHON:-python3} -m bench.swe_e2e --config configs/swe/gpu_small.toml --data .devswe/data \
-  --out-dir /tmp/swe_e2e --json "$OUT/swe_e2e_h200.json" $SWE_ARGS 2>&1 | tee "$OUT/swe_e2e.log"
+  --out-dir /tmp/swe_e2e --json "$OUT/swe_e2e_${DEVICE_CARD}.json" $SWE_ARGS 2>&1 | tee "$OUT/swe_e2e.log"
 rc=$?
 cp /tmp/swe_e2e/metrics.jsonl /tmp/swe_e2e/metrics.png "$OUT/" 2>/dev/null
 exit $rc
