@@ -33,3 +33,17 @@ def test_jit_caches_travel_from_one_home_to_another(tmp_path):
     assert done.stdout.count("JIT cache restored") == 1  # once per machine
     got = sorted(str(p.relative_to(second)) for p in second.rglob("*") if p.is_file())
     assert got == [".cache/flashinfer/f.so", ".cache/tvm-ffi/sgl_kernel_jit_qknorm/k.so", ".triton/cache/ABC/k.cubin"]
+
+
+@pytest.mark.parametrize(("name", "card"), [("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H200", "h200"), (None, "gpu")])
+def test_results_are_named_after_the_card_the_call_got(tmp_path, name, card):
+    """A call asked for either card may get an H100 or an H200: the scripts name their results by ``DEVICE_CARD``."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    if name is not None:  # a stand-in nvidia-smi printing the card's name as `--query-gpu=name` does
+        smi = bin_dir / "nvidia-smi"
+        smi.write_text(f"#!/bin/sh\necho '{name}'\n")
+        smi.chmod(0o755)
+    got = subprocess.run(["bash", "-c", "source bench/device/card.sh && echo $DEVICE_CARD"], check=True, cwd=ROOT,
+                         env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True, text=True)
+    assert got.stdout.strip() == card
