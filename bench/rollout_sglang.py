@@ -985,12 +985,11 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
                     print("    scheduler host ms/turn: " + ", ".join(
                         f"{k} {v['ms_per_turn']:.3f}" for k, v in row["scheduler_host"].items() if v["ms_per_turn"]),
                         flush=True)
-                if setup.client == "stock":
-                    try:
-                        server.flush_cache()  # the next strategy starts from an empty radix cache
-                    except (OSError, RuntimeError) as e:  # requests left behind by a cut run: say so, go on
-                        row["flush_cache_failed"] = repr(e)
-                        save()
+                try:  # the next strategy starts from an empty radix cache (ours too: closed streams leave their
+                    server.flush_cache()  # prompts in the tree, and the next strategy replays the same episodes)
+                except (OSError, RuntimeError) as e:  # requests left behind by a cut run: say so, go on
+                    row["flush_cache_failed"] = repr(e)
+                    save()
     if sizer is not None:
         sizer.shutdown(cancel_futures=True)
     result["targets"] = targets(result["runs"])
@@ -1020,7 +1019,7 @@ def concentration(a, argv, server: Server | None = None) -> dict:
     reserved = episode_peaks(specs, renderer, comp)
     a.mem_fraction = a.conc_mem_fraction
     result = dict(header(a, argv), study="concentration", config=setup.name, max_batch=a.conc_batch,
-                  episodes=len(specs), strategy="full_context", kv_dtype=setup.kv,
+                  episodes=len(specs), strategy="full_context", kv_dtype=setup.kv, cache="flushed before each mode",
                   episode_stats=dict(turns=length_stats([len(e.turns) for e in specs]),
                                      total=length_stats([e.total for e in specs]),
                                      generated=length_stats([e.generated for e in specs]),
@@ -1042,6 +1041,9 @@ def concentration(a, argv, server: Server | None = None) -> dict:
         result["pool_tokens"] = pool_tokens
         replay = Replay(renderer, comp, episode_config(), seed=a.seed)
         for mode in ("refill", "waves"):
+            # each mode from an empty radix cache: closed streams leave their prompts in the tree, and waves replays
+            # refill's episodes (an H100 run before this computed 249k prefill tokens in waves against refill's 335k)
+            server.flush_cache()
             run = asyncio.run(run_once(server, setup, replay, specs, reserved, capacity=pool_tokens,
                                        max_batch=a.conc_batch, warmup_s=0.0, duration_s=None, waves=mode == "waves",
                                        timeout_s=a.conc_timeout))
