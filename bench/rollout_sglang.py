@@ -1043,7 +1043,11 @@ def concentration(a, argv, server: Server | None = None) -> dict:
         for mode in ("refill", "waves"):
             # each mode from an empty radix cache: closed streams leave their prompts in the tree, and waves replays
             # refill's episodes (an H100 run before this computed 249k prefill tokens in waves against refill's 335k)
-            server.flush_cache()
+            try:
+                server.flush_cache()
+                flush_failed = None
+            except (OSError, RuntimeError) as e:  # requests left behind by a mode cut at --conc-timeout: say so
+                flush_failed = repr(e)
             run = asyncio.run(run_once(server, setup, replay, specs, reserved, capacity=pool_tokens,
                                        max_batch=a.conc_batch, warmup_s=0.0, duration_s=None, waves=mode == "waves",
                                        timeout_s=a.conc_timeout))
@@ -1057,6 +1061,8 @@ def concentration(a, argv, server: Server | None = None) -> dict:
                 mean_decode_step_ms=dec["ms_per_step"] or dec["ms_per_step_log"] or 0.0,
                 decode_step_ms_source="device timer" if dec["ms_per_step"] else "log interval",
                 tokens_per_s=sum(k for _, k in run["meter"].generated) / (e.t - s.t), step_profile=prof)
+            if flush_failed:
+                modes[mode]["flush_cache_failed"] = flush_failed
             print(f"{mode}: {modes[mode]['wall_s']:.1f}s, batch {dec['mean_batch']:.1f}, {dec['steps']} decode "
                   f"steps, {modes[mode]['mean_decode_step_ms']:.2f} ms/step", flush=True)
             if mode == "refill":  # a call cut during waves still brings refill back

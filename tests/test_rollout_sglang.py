@@ -475,6 +475,7 @@ def test_concentration_study_runs_refill_then_waves_on_one_cpu_server(cpu_server
         m = result[mode]
         assert m["episodes_failed"] == 0 and m["decode_calls"] > 0 and m["tokens_per_s"] > 0, (mode, m)
         assert 0 < m["mean_decode_batch"] <= 4 and m["mean_resident_kv_tokens"] > 0, (mode, m)
+        assert "flush_cache_failed" not in m, m["flush_cache_failed"]
     refill, waves = (result[m]["step_profile"]["prefill"] for m in ("refill", "waves"))
     # the same episodes from an empty cache each: the same prefill (waves got refill's prompts from the tree before)
     assert refill["tokens"] + refill["cached_tokens"] == waves["tokens"] + waves["cached_tokens"]
