@@ -477,8 +477,8 @@ def test_concentration_study_runs_refill_then_waves_on_one_cpu_server(cpu_server
         assert 0 < m["mean_decode_batch"] <= 4 and m["mean_resident_kv_tokens"] > 0, (mode, m)
         assert "flush_cache_failed" not in m, m["flush_cache_failed"]
     refill, waves = (result[m]["step_profile"]["prefill"] for m in ("refill", "waves"))
-    # the same episodes from an empty cache each: the same prefill (waves got refill's prompts from the tree before)
-    assert refill["tokens"] + refill["cached_tokens"] == waves["tokens"] + waves["cached_tokens"]
+    # the same episodes from an empty cache each: the same prefill (before the flush, waves found refill's prompts in
+    # the tree: 1,513 tokens computed against 2,844; a turn's sampled length may differ by a token or so)
     assert waves["tokens"] == pytest.approx(refill["tokens"], rel=0.05), (refill, waves)
     assert result["waves"]["waves"] == 2 and result["refill"]["waves"] == 0
     assert result["theory"]["scheduled_call_ratio_these_episodes"] >= 1.0
