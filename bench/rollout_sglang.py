@@ -286,6 +286,16 @@ class Snapshot:
     host_clock: dict | None = None  # ours: the scheduler's host time per hook so far (``sglang_ext.host_clock``)
 
 
+def flush_or_why(server: Server) -> str | None:
+    """Empty the server's radix cache; why not, when SGLang refuses (requests left behind by a run cut at its
+    timeout), so the caller records it and goes on."""
+    try:
+        server.flush_cache()
+    except (OSError, RuntimeError) as e:
+        return repr(e)
+    return None
+
+
 def snapshot(server: Server, client) -> Snapshot:
     try:
         metrics = server.metrics()
@@ -985,10 +995,10 @@ def rollouts(a, argv, servers: dict[str, Server] | None = None) -> dict:
                     print("    scheduler host ms/turn: " + ", ".join(
                         f"{k} {v['ms_per_turn']:.3f}" for k, v in row["scheduler_host"].items() if v["ms_per_turn"]),
                         flush=True)
-                try:  # the next strategy starts from an empty radix cache (ours too: closed streams leave their
-                    server.flush_cache()  # prompts in the tree, and the next strategy replays the same episodes)
-                except (OSError, RuntimeError) as e:  # requests left behind by a cut run: say so, go on
-                    row["flush_cache_failed"] = repr(e)
+                # the next strategy starts from an empty radix cache (ours too: closed streams leave their prompts in
+                # the tree, and the next strategy replays the same episodes)
+                if refused := flush_or_why(server):
+                    row["flush_cache_failed"] = refused
                     save()
     if sizer is not None:
         sizer.shutdown(cancel_futures=True)
@@ -1043,11 +1053,7 @@ def concentration(a, argv, server: Server | None = None) -> dict:
         for mode in ("refill", "waves"):
             # each mode from an empty radix cache: closed streams leave their prompts in the tree, and waves replays
             # refill's episodes (an H100 run before this computed 249k prefill tokens in waves against refill's 335k)
-            try:
-                server.flush_cache()
-                flush_failed = None
-            except (OSError, RuntimeError) as e:  # requests left behind by a mode cut at --conc-timeout: say so
-                flush_failed = repr(e)
+            refused = flush_or_why(server)
             run = asyncio.run(run_once(server, setup, replay, specs, reserved, capacity=pool_tokens,
                                        max_batch=a.conc_batch, warmup_s=0.0, duration_s=None, waves=mode == "waves",
                                        timeout_s=a.conc_timeout))
@@ -1061,8 +1067,8 @@ def concentration(a, argv, server: Server | None = None) -> dict:
                 mean_decode_step_ms=dec["ms_per_step"] or dec["ms_per_step_log"] or 0.0,
                 decode_step_ms_source="device timer" if dec["ms_per_step"] else "log interval",
                 tokens_per_s=sum(k for _, k in run["meter"].generated) / (e.t - s.t), step_profile=prof)
-            if flush_failed:
-                modes[mode]["flush_cache_failed"] = flush_failed
+            if refused:
+                modes[mode]["flush_cache_failed"] = refused
             print(f"{mode}: {modes[mode]['wall_s']:.1f}s, batch {dec['mean_batch']:.1f}, {dec['steps']} decode "
                   f"steps, {modes[mode]['mean_decode_step_ms']:.2f} ms/step", flush=True)
             if mode == "refill":  # a call cut during waves still brings refill back
