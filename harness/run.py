@@ -64,7 +64,10 @@ def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
 
         t = cfg.model.tiny
         corpus = None
-        if t.vocab == "bpe":
+        # a BPE tokenizer already here came with expert episodes played on another machine (tokenized with it:
+        # bench/device/sft_inputs.sh): the model is built around it, not around one learnt again here
+        keep = t.vocab == "bpe" and (path / "tokenizer.json").is_file()
+        if t.vocab == "bpe" and not keep:
             from envs.corpus import episode_texts
             from envs.cpus import usable_cpus
 
@@ -72,7 +75,7 @@ def prepare_model(cfg: Config, out: Path, *, build: bool = True) -> str:
             corpus = episode_texts(make_taskset(e.name, e.options), e.train_split, workers=usable_cpus())
         build_tiny_model(path, num_layers=t.num_layers, hidden_size=t.hidden_size, num_heads=t.num_heads,
                          num_kv_heads=t.num_kv_heads, head_dim=t.head_dim, intermediate_size=t.intermediate_size,
-                         vocab=t.vocab, corpus=corpus, vocab_size=t.vocab_size, seed=t.seed)
+                         vocab=t.vocab, corpus=corpus, vocab_size=t.vocab_size, seed=t.seed, keep_tokenizer=keep)
     return str(path)
 
 

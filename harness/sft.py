@@ -296,8 +296,9 @@ class WarmStart:
     stop_train_win_rate: float | None  # the last early-stop check's train win rate (None: never checked)
 
 
-def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig]) -> str:
-    """What an SFT's expert episodes and batches depend on: a saved state with another key is not resumed."""
+def sft_inputs(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig]) -> dict:
+    """What an SFT's expert episodes and batches depend on, by name (``sft_key`` hashes it; a saved state keeps it,
+    so that a mismatch can say what differs)."""
     import hashlib
     import json
 
@@ -312,13 +313,21 @@ def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[Compac
                                    ).hexdigest()
     # nor when the early stop looks (stop_train_win_rate, check_every, check_games): it decides where SFT ends, not
     # what a step trains on
-    what = {"sft": sft.model_dump(mode="json", exclude={"steps", "expert_workers", "stop_train_win_rate",
+    return {"sft": sft.model_dump(mode="json", exclude={"steps", "expert_workers", "stop_train_win_rate",
                                                         "check_every", "check_games"}),
             "renderings": [c.model_dump(mode="json") for c in renderings],
             "environment": cfg.environment.model_dump(mode="json"), "seed": cfg.run.seed,
             "episode": cfg.orchestrator.episode.model_dump(mode="json"), "base": str(base_path),
             "tokenizer": tokenizer}
-    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()
+
+
+def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig]) -> str:
+    """A saved SFT state (expert episodes, checkpoint) with another key is not resumed."""
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(sft_inputs(cfg, sft, base_path, renderings), sort_keys=True).encode()
+                          ).hexdigest()
 
 
 async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskSet, renderer: ChatRenderer,
@@ -332,15 +341,17 @@ async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: 
     from . import checkpoint
 
     console = console or Console()
-    key = sft_key(cfg, sft, base_path, renderings)
+    key, inputs = sft_key(cfg, sft, base_path, renderings), sft_inputs(cfg, sft, base_path, renderings)
     out.mkdir(parents=True, exist_ok=True)
     cache = out / "expert_episodes.pt"
     cached = torch.load(cache, weights_only=False) if cache.exists() else None
     if cached is not None and cached.get("key") == key:
         console.print(f"expert episodes from {cache}")
         return cached["episodes"], cached["probe"], key
-    if cached is not None:
-        console.print(f"{cache} is for another config or tokenizer: playing the expert episodes again")
+    if cached is not None:  # say what differs (a state saved before the inputs were kept: cannot tell)
+        differ = [k for k in inputs if cached["inputs"].get(k) != inputs[k]] if "inputs" in cached else ["unknown"]
+        console.print(f"{cache} is for another config or tokenizer (differs in: {', '.join(differ)}): playing the "
+                      f"expert episodes again")
     ep_cfg = episode_config(cfg, temperature=1.0)
     workers = sft.expert_workers or usable_cpus()
     total = (sft.episodes + sft.probe_episodes) * len(renderings)
@@ -366,7 +377,7 @@ async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: 
                 split=cfg.environment.eval_split, seed=cfg.run.seed + 1,
                 on_episode=advance, workers=workers) for r in ep])
     buf = io.BytesIO()
-    torch.save({"key": key, "episodes": episodes, "probe": probe}, buf)
+    torch.save({"key": key, "inputs": inputs, "episodes": episodes, "probe": probe}, buf)
     checkpoint.atomic_write_bytes(cache, buf.getvalue())
     return episodes, probe, key
 

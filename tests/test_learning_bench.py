@@ -202,10 +202,9 @@ def test_a_cut_sft_resumes_from_its_last_check(bench_state, tmp_path):
 def test_expert_episodes_played_on_another_machine_serve_its_sft_when_the_tokenizer_matches(bench_state, tmp_path,
                                                                                             capsys):
     """The expert stage (a CPU box, before the device calls: bench/device/sft_inputs.sh) plays the games and the
-    expert episodes without training; the model does not travel, so the device builds it again, and its SFT uses
-    those episodes as long as the rebuilt tokenizer is the same -- a different one plays them again."""
-    import shutil
-
+    expert episodes without training; the weights do not travel, the tokenizer does (what sft_inputs.sh packs), so
+    the device builds its base model around that tokenizer -- not learnt again -- and its SFT uses those episodes.
+    A different tokenizer plays them again, saying so."""
     from harness.sft import sft_key
 
     _, games, first = bench_state
@@ -217,9 +216,15 @@ def test_expert_episodes_played_on_another_machine_serve_its_sft_when_the_tokeni
     assert report["stages_done"] == ["expert"] and report["sft"] is None
     assert not (tmp_path / "sft" / "model").exists()
     stamp = episodes.stat().st_mtime_ns
-    shutil.rmtree(tmp_path / "model")  # the device builds its own (same seed, same corpus)
+    shipped = {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"}  # bench/device/sft_inputs.sh's
+    for f in (tmp_path / "model").iterdir():
+        if f.name not in shipped:
+            f.unlink()  # the weights and config: the device builds them again (same seed)
+    tokenizer_stamp = (tmp_path / "model" / "tokenizer.json").stat().st_mtime_ns
     args, cfg = tiny_args(tmp_path, games, "sft")
     report = asyncio.run(main_async(args, cfg, "SFT on the device"))
+    assert (tmp_path / "model" / "config.json").exists()  # the base model built again
+    assert (tmp_path / "model" / "tokenizer.json").stat().st_mtime_ns == tokenizer_stamp  # kept, not learnt again
     assert episodes.stat().st_mtime_ns == stamp  # used, not played again
     assert report["checkpoints"]["sft_sha256"] == first["checkpoints"]["sft_sha256"]
 
@@ -232,11 +237,18 @@ def test_expert_episodes_played_on_another_machine_serve_its_sft_when_the_tokeni
     tokenizer["version"] = "written by another release"  # not the vocabulary: the same token ids
     (base / "tokenizer.json").write_text(json.dumps(tokenizer))
     assert sft_key(cfg, cfg.sft, str(base), renderings) == key
+    tokenizer["version"] = "1.0"  # what the installed release reads
     vocab = tokenizer["model"]["vocab"]
     a, b = list(vocab)[-2:]
     vocab[a], vocab[b] = vocab[b], vocab[a]  # two tokens' ids swapped: every record would mean something else
     (base / "tokenizer.json").write_text(json.dumps(tokenizer))
     assert sft_key(cfg, cfg.sft, str(base), renderings) != key
+
+    (tmp_path / "sft" / "done.json").unlink()  # the expert stage skips a finished SFT's episodes
+    capsys.readouterr()
+    args, cfg = tiny_args(tmp_path, games, "expert")
+    asyncio.run(main_async(args, cfg, "the expert stage with another tokenizer"))
+    assert "(differs in: tokenizer): playing the expert episodes again" in " ".join(capsys.readouterr().out.split())
 
 
 def test_sampler_fidelity_at_length_of_the_sft_checkpoint(bench_state):

@@ -51,8 +51,10 @@ STATE=/tmp/learning/$ENV
 if [ ! -d "$STATE" ] && [ -f ".devlearn/learning_${ENV}_state.tar.xz" ]; then
   mkdir -p "$STATE" && tar -xJf ".devlearn/learning_${ENV}_state.tar.xz" -C "$STATE" && echo "state restored"
 fi
-# the SFT's expert episodes played on a CPU box (bash bench/device/sft_inputs.sh ENV; carry .devlearn)
-if [ -f ".devlearn/${ENV}_sft_inputs.tar.xz" ] && [ ! -f "$STATE/sft/expert_episodes.pt" ]; then
+# the SFT's expert episodes played on a CPU box, and their tokenizer (bash bench/device/sft_inputs.sh ENV; carry
+# .devlearn); not over a base model already built here (its own tokenizer)
+if [ -f ".devlearn/${ENV}_sft_inputs.tar.xz" ] && [ ! -f "$STATE/sft/expert_episodes.pt" ] \
+    && [ ! -f "$STATE/model/config.json" ]; then
   tar -xJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp && echo "expert episodes unpacked"
 fi
 export ALFWORLD_DATA=/tmp/alfworld_data KVSTREAMS_CACHE=/tmp/kvstreams_cache \

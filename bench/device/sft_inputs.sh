@@ -4,9 +4,12 @@
 # on 2 cores here) -- and pack the episodes as .devlearn/ENV_sft_inputs.tar.xz (TextWorld: 0.9 MB; the games, 2.8 MB
 # more, do not fit one carry beside the SGLang bundle: the device generates them again, the same from the same
 # seeds, in about a minute). Carry .devlearn with the call:
-# learning_check.sh unpacks it into /tmp, and the device's SFT uses the episodes if its own tokenizer comes out the
-# same (harness.sft.sft_key hashes it; otherwise it plays them again). Paths are the device's (/tmp/learning/ENV,
-# /tmp/kvstreams_cache): the key holds the base model's path.
+# learning_check.sh unpacks it into /tmp, and the device's SFT uses the episodes. The tokenizer they are tokenized
+# with travels beside them (the base model's tokenizer files, ~40 KB): the device builds its base model around it
+# rather than learning one again (harness.run.prepare_model) -- ALFWorld's, learnt again on the H100 on 2026-12-07,
+# came out different and cost 333 s of expert play there. harness.sft.sft_key hashes it; a mismatch says what differs
+# and plays them again. Paths are the device's (/tmp/learning/ENV, /tmp/kvstreams_cache): the key holds the base
+# model's path.
 #   bash bench/device/sft_inputs.sh textworld [--section.key value ...]
 set -eo pipefail
 ENV=$1; shift || true
@@ -16,5 +19,7 @@ KVSTREAMS_CACHE=/tmp/kvstreams_cache $PY -m bench.learning --config "configs/$EN
   --out-dir "/tmp/learning/$ENV" --json "/tmp/learning/$ENV/expert_report.json" --stage expert \
   --inference.device cpu "$@"
 mkdir -p .devlearn
-XZ_OPT=-9e tar -cJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp "learning/$ENV/sft/expert_episodes.pt"
+XZ_OPT=-9e tar -cJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp "learning/$ENV/sft/expert_episodes.pt" \
+  "learning/$ENV/model/tokenizer.json" "learning/$ENV/model/tokenizer_config.json" \
+  "learning/$ENV/model/chat_template.jinja"
 ls -la ".devlearn/${ENV}_sft_inputs.tar.xz"

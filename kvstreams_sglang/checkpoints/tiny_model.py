@@ -38,6 +38,7 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
     vocab_rows: int | None = None,
     device: str | torch.device = "cpu",
+    keep_tokenizer: bool = False,
 ) -> Path:
     """Write a random Qwen3ForCausalLM plus byte tokenizer to ``path`` and return it.
 
@@ -46,17 +47,29 @@ def build_tiny_model(
     caller's global RNG state is left untouched. ``vocab_rows``: embedding rows (default: the
     tokenizer's size rounded up to 64; a real model's count, e.g. 151936, for benchmarks that must
     pay its LM head; ids past the tokenizer are then never text). ``device``: where the weights
-    are initialised (a GPU builds a 4B-parameter model in seconds).
+    are initialised (a GPU builds a 4B-parameter model in seconds). ``keep_tokenizer``: the
+    tokenizer already in ``path`` is the model's (learnt on another machine, whose records in its
+    ids come with it); nothing is learnt and its files are left as they are.
     """
     if vocab not in ("bytes", "bpe"):
         raise ValueError(f"unsupported vocab {vocab!r}; offline: 'bytes' or 'bpe' (learnt on a corpus)")
-    if (vocab == "bpe") != (corpus is not None):
+    if keep_tokenizer and corpus is not None:
+        raise ValueError("keep_tokenizer: the tokenizer in path is kept, there is no corpus to learn one on")
+    if not keep_tokenizer and (vocab == "bpe") != (corpus is not None):
         raise ValueError("vocab='bpe' needs a corpus to learn its merges on, and only it takes one")
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
 
-    tokenizer = build_byte_tokenizer(path, corpus=corpus, vocab_size=vocab_size) if corpus is not None \
-        else build_byte_tokenizer(path)
+    if keep_tokenizer:
+        from transformers import PreTrainedTokenizerFast
+
+        if not (path / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"keep_tokenizer: {path} has no tokenizer.json")
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(str(path))
+    elif corpus is not None:
+        tokenizer = build_byte_tokenizer(path, corpus=corpus, vocab_size=vocab_size)
+    else:
+        tokenizer = build_byte_tokenizer(path)
     vocab_size = vocab_rows or -(-len(tokenizer) // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if vocab_size < len(tokenizer):
         raise ValueError(f"vocab_rows={vocab_rows} is smaller than the tokenizer ({len(tokenizer)} tokens)")
