@@ -296,9 +296,10 @@ class WarmStart:
     stop_train_win_rate: float | None  # the last early-stop check's train win rate (None: never checked)
 
 
-def sft_inputs(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig]) -> dict:
+def sft_inputs(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig],
+               games: str | None = None) -> dict:
     """What an SFT's expert episodes and batches depend on, by name (``sft_key`` hashes it; a saved state keeps it,
-    so that a mismatch can say what differs)."""
+    so that a mismatch can say what differs). ``games``: the task set's ``games_version``, where it has one."""
     import hashlib
     import json
 
@@ -318,15 +319,16 @@ def sft_inputs(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[Com
             "renderings": [c.model_dump(mode="json") for c in renderings],
             "environment": cfg.environment.model_dump(mode="json"), "seed": cfg.run.seed,
             "episode": cfg.orchestrator.episode.model_dump(mode="json"), "base": str(base_path),
-            "tokenizer": tokenizer}
+            "tokenizer": tokenizer, "games": games}
 
 
-def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig]) -> str:
+def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig],
+            games: str | None = None) -> str:
     """A saved SFT state (expert episodes, checkpoint) with another key is not resumed."""
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps(sft_inputs(cfg, sft, base_path, renderings), sort_keys=True).encode()
+    return hashlib.sha256(json.dumps(sft_inputs(cfg, sft, base_path, renderings, games), sort_keys=True).encode()
                           ).hexdigest()
 
 
@@ -341,7 +343,8 @@ async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: 
     from . import checkpoint
 
     console = console or Console()
-    key, inputs = sft_key(cfg, sft, base_path, renderings), sft_inputs(cfg, sft, base_path, renderings)
+    games = getattr(taskset, "games_version", None)
+    key, inputs = sft_key(cfg, sft, base_path, renderings, games), sft_inputs(cfg, sft, base_path, renderings, games)
     out.mkdir(parents=True, exist_ok=True)
     cache = out / "expert_episodes.pt"
     cached = torch.load(cache, weights_only=False) if cache.exists() else None

@@ -113,6 +113,25 @@ def test_alfworld_data_wins_over_the_archive_only_when_it_holds_the_release(tmp_
     assert len(files.trials("eval_unseen")) == 134 and not (tmp_path / "cache" / RELEASE).exists()
 
 
+def test_every_machine_builds_the_same_games_whatever_the_global_random(tmp_path, monkeypatch, alfworld):
+    """The goal's wording is one of its task type's templates, which the package draws from the global `random`:
+    built unseeded, a CPU box's train games and the device's said "examine the book with the desklamp" and "look at
+    book under the desklamp" (the expert episodes played on one did not match the other's games). Another cache
+    from another source folder, after other draws, gives the same bytes, and the caller's `random` is untouched."""
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / RELEASE).symlink_to(alfworld.files.root)  # the device's $ALFWORLD_DATA
+    monkeypatch.setenv("ALFWORLD_DATA", str(tmp_path / "data"))
+    first = {rel: Path(game).read_bytes() for rel, game in alfworld.files.games("train")[:40]}
+    random.seed(1234)
+    random.random()
+    state = random.getstate()
+    other = GameFiles(tmp_path / "cache")
+    again = {rel: Path(game).read_bytes() for rel, game in other.games("train")[:40]}
+    assert again == first
+    assert random.getstate() == state
+    assert all("UNKNOWN GOAL" not in json.loads(game)["grammar"] for game in first.values())  # a goal filled in
+
+
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_tiny_model_plays_alfworld_in_the_agent_loop(strategy, alfworld, tiny_model_path):
     games = alfworld.tasks("eval_seen")[:2]

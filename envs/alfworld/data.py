@@ -13,7 +13,11 @@ The installed package's hand-coded expert only ever says "move X to Y": on the r
 its placing commands are never admissible and it wins only when a random fallback places the
 object (10/20 and 16/20 of the seen and unseen samples the tests use; 20/20 and 20/20 rebuilt).
 Rebuilt games go to ``<cache>/alfworld/games-<fingerprint>/`` (the source is never written),
-next to a link to their ``traj_data.json``, which the expert reads.
+next to a link to their ``traj_data.json``, which the expert reads. The goal's wording ("examine
+the book with the desklamp" / "look at book under the desklamp") is one of the task type's
+templates, which the package draws from the global ``random``; it is drawn here from a seed of
+the trial's id, so that every machine builds the same game (unseeded, the device's train games
+and a CPU box's differed: 5 of the first 12 wordings).
 
 Splits: ``train`` = ``valid_train`` (200 games in the shared archive; point
 ``train_dir`` at ``train`` for the full ~3.5k download), ``eval_seen`` = ``valid_seen``
@@ -30,8 +34,10 @@ import argparse
 import hashlib
 import json
 import os
+import random
 import tarfile
 import tempfile
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -114,12 +120,16 @@ class GameLogic:
 
     @cached_property
     def fingerprint(self) -> str:
-        return hashlib.sha256((self.domain + "\0" + self.grammar).encode()).hexdigest()[:8]
+        return hashlib.sha256((self.domain + "\0" + self.grammar + "\0" + BUILD).encode()).hexdigest()[:8]
 
 
-def build_game(trial: Path, out: Path, logic: GameLogic) -> Path:
-    """Write ``out/game.tw-pddl`` for ``trial`` (as ``alfworld-generate`` does) and link its
-    ``traj_data.json`` beside it; a no-op when it is already there."""
+BUILD = "goal wording seeded by trial id"  # how build_game makes a game; in the games' folder name
+_GLOBAL_RANDOM = threading.Lock()  # build_game seeds and restores the global `random` the package draws from
+
+
+def build_game(trial: Path, out: Path, logic: GameLogic, trial_id: str) -> Path:
+    """Write ``out/game.tw-pddl`` for ``trial`` (as ``alfworld-generate`` does, the goal's wording drawn from
+    a seed of ``trial_id``) and link its ``traj_data.json`` beside it; a no-op when it is already there."""
     game = out / "game.tw-pddl"
     if game.exists():
         return game
@@ -127,7 +137,14 @@ def build_game(trial: Path, out: Path, logic: GameLogic) -> Path:
 
     traj = trial / "traj_data.json"
     out.mkdir(parents=True, exist_ok=True)
-    gamedata = dict(pddl_domain=logic.domain, grammar=add_task_to_grammar(logic.grammar, json.loads(traj.read_text())),
+    with _GLOBAL_RANDOM:  # get_templated_task_desc draws from the global `random`, whatever rng it is given
+        state = random.getstate()
+        random.seed(int.from_bytes(hashlib.sha256(trial_id.encode()).digest()[:8], "big"))
+        try:
+            grammar = add_task_to_grammar(logic.grammar, json.loads(traj.read_text()), rng=random.Random(0))
+        finally:
+            random.setstate(state)
+    gamedata = dict(pddl_domain=logic.domain, grammar=grammar,
                     pddl_problem=(trial / "initial_state.pddl").read_text(), solvable=True)
     link = out / "traj_data.json"
     if not link.exists():
@@ -161,6 +178,11 @@ class GameFiles:
     def games_dir(self) -> Path:
         return self.cache_dir / f"games-{self.logic.fingerprint}"
 
+    @property
+    def version(self) -> str:
+        """What the rebuilt games depend on besides the release's files: the installed logic and ``BUILD``."""
+        return f"alfworld-{self.logic.fingerprint}"
+
     def folders(self, split: str) -> tuple[str, ...]:
         if split == "train":
             return (self.train_dir,)
@@ -176,7 +198,7 @@ class GameFiles:
         out = []
         for trial in tqdm(self.trials(split), desc=f"alfworld {split}", unit="game", disable=not progress):
             rel = trial.relative_to(self.root).as_posix()
-            out.append((rel, build_game(trial, self.games_dir / rel, self.logic)))
+            out.append((rel, build_game(trial, self.games_dir / rel, self.logic, rel)))
         return out
 
 

@@ -42,6 +42,10 @@ class AlfWorldTasks:
         return [Task(trial_id, split, {"gamefile": str(game), "task_type": trial_id.split("/")[1].split("-")[0]})
                 for trial_id, game in self.files.games(split)]
 
+    @property
+    def games_version(self) -> str:
+        return self.files.version
+
     def make_env(self, expert: bool = False) -> AlfWorldEnv:
         c = self.config
         if expert and not c.expert:  # the pool's processes run the expert or not, for every environment

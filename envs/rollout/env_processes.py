@@ -139,6 +139,10 @@ class ProcessTaskSet:
     def tasks(self, split: str) -> list[Task]:
         return self.taskset.tasks(split)
 
+    @property
+    def games_version(self) -> str | None:
+        return getattr(self.taskset, "games_version", None)
+
     def make_env(self, expert: bool = False) -> RemoteEnv:
         with self._lock:
             self._ids += 1

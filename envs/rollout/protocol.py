@@ -69,3 +69,6 @@ class TaskSet(Protocol):
         """A fresh environment. ``expert``: its ``expert_action`` must answer (SFT data, the BPE corpus); without
         it an environment may skip the expert's bookkeeping (TextWorld's plan costs ~60% of a step's CPU)."""
         ...
+
+    # Optional: ``games_version``, a string naming how the games are made (generator, build), so that expert
+    # episodes played on one machine serve another's SFT only where both make the same games (harness.sft).

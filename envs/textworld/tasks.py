@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from envs.rollout.protocol import Task
 
 from .env import SYSTEM_PROMPT, TextWorldEnv
-from .generate import GameSpec, default_cache_dir, generate_games
+from .generate import GameSpec, default_cache_dir, fingerprint, generate_games
 from .presets import PRESETS, first_seed
 
 
@@ -60,6 +60,10 @@ class TextWorldTasks:
         paths = generate_games(specs, self.cache_dir, workers=self.config.workers, progress=self.config.progress)
         return [Task(f"{s.preset}-{s.split}-{s.seed}", split, {"path": str(p), "preset": s.preset, "seed": s.seed})
                 for s, p in zip(specs, paths, strict=True)]
+
+    @property
+    def games_version(self) -> str:
+        return "textworld-" + ",".join(f"{p}-{fingerprint(p)}" for p in self.config.presets)
 
     def make_env(self, expert: bool = False) -> TextWorldEnv:
         c = self.config
