@@ -353,7 +353,7 @@ async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: 
         return cached["episodes"], cached["probe"], key
     if cached is not None:  # say what differs (a state saved before the inputs were kept: cannot tell)
         differ = [k for k in inputs if cached["inputs"].get(k) != inputs[k]] if "inputs" in cached else ["unknown"]
-        console.print(f"{cache} is for another config or tokenizer (differs in: {', '.join(differ)}): playing the "
+        console.print(f"{cache} was played under other inputs (differs in: {', '.join(differ)}): playing the "
                       f"expert episodes again")
     ep_cfg = episode_config(cfg, temperature=1.0)
     workers = sft.expert_workers or usable_cpus()

@@ -6,9 +6,10 @@
 # seeds, in about a minute). Carry .devlearn with the call:
 # learning_check.sh unpacks it into /tmp, and the device's SFT uses the episodes. The tokenizer they are tokenized
 # with travels beside them (the base model's tokenizer files, ~40 KB): the device builds its base model around it
-# rather than learning one again (harness.run.prepare_model) -- ALFWorld's, learnt again on the H100 on 2026-12-07,
-# came out different and cost 333 s of expert play there. harness.sft.sft_key hashes it; a mismatch says what differs
-# and plays them again. Paths are the device's (/tmp/learning/ENV, /tmp/kvstreams_cache): the key holds the base
+# rather than learning one again (harness.run.prepare_model). ALFWorld's, learnt again on the H100 on 2026-12-07,
+# came out different (its games were then worded differently on every machine: envs/alfworld/data.py) and the
+# episodes were played again there (333 s). harness.sft.sft_key hashes the tokenizer and the task set's
+# games_version; a mismatch says what differs and plays them again. Paths are the device's (/tmp/learning/ENV, /tmp/kvstreams_cache): the key holds the base
 # model's path.
 #   bash bench/device/sft_inputs.sh textworld [--section.key value ...]
 set -eo pipefail
