@@ -325,11 +325,14 @@ def sft_inputs(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[Com
 def sft_key(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig],
             games: str | None = None) -> str:
     """A saved SFT state (expert episodes, checkpoint) with another key is not resumed."""
+    return inputs_key(sft_inputs(cfg, sft, base_path, renderings, games))
+
+
+def inputs_key(inputs: dict) -> str:
     import hashlib
     import json
 
-    return hashlib.sha256(json.dumps(sft_inputs(cfg, sft, base_path, renderings, games), sort_keys=True).encode()
-                          ).hexdigest()
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
 async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskSet, renderer: ChatRenderer,
@@ -344,7 +347,8 @@ async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: 
 
     console = console or Console()
     games = getattr(taskset, "games_version", None)
-    key, inputs = sft_key(cfg, sft, base_path, renderings, games), sft_inputs(cfg, sft, base_path, renderings, games)
+    inputs = sft_inputs(cfg, sft, base_path, renderings, games)
+    key = inputs_key(inputs)
     out.mkdir(parents=True, exist_ok=True)
     cache = out / "expert_episodes.pt"
     cached = torch.load(cache, weights_only=False) if cache.exists() else None
