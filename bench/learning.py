@@ -435,7 +435,9 @@ class LearningBench:
         path = self.run_dir(name) / "eval.jsonl"
         rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
         for r in rows:
-            p = by_step.setdefault(r["step"], {"step": r["step"], "gpu_s": round(r["gpu_s"], 2), "splits": {}})
+            p = by_step.setdefault(r["step"], {"step": r["step"], "gpu_s": round(r["gpu_s"], 2), "splits": {},
+                                               # how the rollouts stopped for it, and the seconds that took
+                                               "drained": r.get("drained", True), "stop_s": r.get("stop_s")})
             p["splits"][r["split"]] = {k: r[k] for k in ("episodes", "wins", "win_rate", "mean_reward",
                                                           "mean_turns", "tokens_reprefilled", "peak_kv_tokens")}
             p["splits"][r["split"]]["seconds"] = r.get("seconds")  # its wall time (rows before 2026-12-06: none)
@@ -449,8 +451,8 @@ class LearningBench:
         path = self.run_dir(name) / "metrics.jsonl"
         rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
         points = self.points(name)
-        # the run's clock at its end: a step's row is written before the drain that precedes an evaluation (and a
-        # checkpoint), so the last evaluation's clock, after that drain, may be the later one
+        # the run's clock at its end: a step's row is written before the drain (or pause) that precedes an
+        # evaluation (and a checkpoint), so the last evaluation's clock, after it, may be the later one
         gpu_s = max([r["gpu_s"] for r in rows[-1:]] + [p["gpu_s"] for p in points[-1:]], default=0.0)
         return {
             "settings": RUNS[name], "done": read_json(self.run_dir(name) / "done.json"), "points": points,
@@ -462,6 +464,8 @@ class LearningBench:
             "peak_live_kv_tokens": max((r["peak_live_kv_tokens"] for r in rows), default=0),
             "rollout_s": round(sum(r["rollout_s"] for r in rows), 1),
             "train_s": round(sum(r["train_s"] for r in rows), 1),
+            # the rollouts stopped before the evaluations (drained or paused: run.drain_at_checkpoint), on the clock
+            "stop_s": round(sum(p["stop_s"] or 0.0 for p in points), 1),
             "max_lag": max((r["max_lag"] for r in rows), default=0),
             "train_win_rate_last": rows[-1]["win_rate"] if rows else None,
         }

@@ -153,14 +153,19 @@ class RunConfig(Section):
         "same budget")
     output_dir: str = "runs/default"
     checkpoint_every: int = Field(1, ge=1)
+    drain_at_checkpoint: bool = Field(
+        True, description="true: the rollout groups in flight finish before a checkpoint (and the evaluation that "
+        "comes with one), so a resumed run trains on exactly the data of a run never stopped, at the cost of the "
+        "drain's tail on the run's time (the pool empties like a synchronous wave); false: they pause in place, in "
+        "flight engine calls returning, and go on after it; a run resumed from such a checkpoint starts them again")
     keep_checkpoints: int | None = Field(None, ge=1, description="newest checkpoints kept (default: all)")
     seed: int = 0
 
 
 class EvaluationConfig(Section):
     """Held-out evaluation during RL: the policy plays the eval games with the run's KV dtype and compaction, at a
-    drained point (no rollout runs meanwhile, and its time is not the run's): through a built-in engine of its own, or
-    on the run's SGLang server (``on_server``)."""
+    checkpoint (the rollouts drained or paused, ``run.drain_at_checkpoint``: none runs meanwhile, and its time is not
+    the run's): through a built-in engine of its own, or on the run's SGLang server (``on_server``)."""
 
     every: int = Field(0, ge=0, description="evaluate at the start, every this many trainer steps and after the "
                                             "last one (eval.jsonl); 0: never during RL")
@@ -168,7 +173,8 @@ class EvaluationConfig(Section):
     splits: list[str] | None = Field(None, min_length=1, description="eval splits, each capped at "
                                      "environment.num_eval games (default: [environment.eval_split])")
     on_server: bool = Field(True, description="inference.engine = sglang: play the eval games on the run's SGLang "
-                            "server (drained, holding the step's weights); false: on a built-in engine of its own")
+                            "server (rollouts stopped, holding the step's weights); false: on a built-in engine of "
+                            "its own")
 
 
 class Config(Section):

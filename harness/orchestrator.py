@@ -5,13 +5,18 @@ Quota-based partial rollout (as in prime-rl / KV4-RL): a trainer step takes the 
 unfinished ones carry on across weight updates (with KV streams their KV is kept, so a
 rollout may mix policy versions). Off-policy lag is bounded: data used at trainer step
 ``n`` must come from policy versions ``>= n - async_level``; older groups are dropped
-and counted. ``drain`` lets every running group finish -- checkpoints are taken at that
-quiescent point, so a resumed run loses and duplicates nothing.
+and counted. ``drain`` lets every running group finish -- a checkpoint taken at that
+quiescent point resumes to exactly the data of a run never stopped, at the cost of the
+drain's tail (the pool empties like a synchronous wave). ``pause`` stops them in place
+instead: their engine calls in flight finish, the next ones wait for ``resume``; a
+checkpoint taken there records the paused groups, which a resumed run starts again
+(nothing lost or trained twice; their partial episodes are lost).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -66,6 +71,64 @@ class Group:
         return cls(d["group_id"], Task(d["task_id"], d["split"]), [Rollout.from_dict(r) for r in d["rollouts"]])
 
 
+class PausableClient:
+    """The episodes' view of the engine client: the calls that run the engine (``GATED``) wait while the rollouts
+    are paused, so that an evaluation or a checkpoint finds the engine idle without waiting for whole episodes to
+    end. Everything else goes straight to the client; the streams it opened and not yet closed are remembered
+    (``abandon`` closes them)."""
+
+    GATED = ("open", "append", "generate", "evict", "prefill")
+
+    def __init__(self, client: EngineClient):
+        self.client = client
+        self.open_sids: set[int] = set()
+        self._gate = asyncio.Event()
+        self._gate.set()
+        self._calls = 0  # gated calls past the gate, not yet returned
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.client, name)
+        return self._gated(attr) if name in self.GATED else attr
+
+    def _gated(self, fn):
+        async def call(*args, **kwargs):
+            while not self._gate.is_set():
+                await self._gate.wait()
+            self._calls += 1
+            self._quiet.clear()
+            try:
+                return await fn(*args, **kwargs)
+            finally:
+                self._calls -= 1
+                if self._calls == 0:
+                    self._quiet.set()
+
+        return call
+
+    async def open(self, *args, **kwargs) -> int:
+        sid = await self._gated(self.client.open)(*args, **kwargs)
+        self.open_sids.add(sid)
+        return sid
+
+    async def close(self, sid: int, **meta):
+        self.open_sids.discard(sid)
+        return await self.client.close(sid, **meta)
+
+    @property
+    def paused(self) -> bool:
+        return not self._gate.is_set()
+
+    async def pause(self) -> None:
+        """Hold every gated call from now on; return once those already running have returned."""
+        self._gate.clear()
+        await self._quiet.wait()
+
+    def resume(self) -> None:
+        self._gate.set()
+
+
 def episode_seed(run_seed: int, group_id: int, member: int) -> int:
     return (run_seed * 1_000_003 + group_id * 1009 + member) % (2**31)
 
@@ -74,12 +137,14 @@ class Orchestrator:
     def __init__(self, config: OrchestratorConfig, compaction: CompactionConfig, client: EngineClient,
                  taskset: TaskSet, renderer: ChatRenderer, *, split: str = "train", seed: int = 0):
         self.config, self.compaction, self.client = config, compaction, client
+        self.episode_client = PausableClient(client)  # what the episodes call: paused by ``pause``
         self.taskset, self.renderer, self.seed = taskset, renderer, seed
         self.tasks = taskset.tasks(split)
         if not self.tasks:
             raise ValueError(f"the environment has no tasks in split {split!r}")
         self.episode_config = config.episode
         self.next_group = 0
+        self.relaunch: deque[int] = deque()  # groups paused at the checkpoint a run resumed from: started first
         self.completed: deque[Group] = deque()
         self.running: dict[int, asyncio.Task] = {}
         self.stale_groups = 0
@@ -92,7 +157,7 @@ class Orchestrator:
 
     async def _run_group(self, group_id: int, task: Task) -> None:
         async def member(i: int) -> Rollout:
-            ep = await run_episode(self.client, self.taskset.make_env(), task, self.renderer, self.compaction,
+            ep = await run_episode(self.episode_client, self.taskset.make_env(), task, self.renderer, self.compaction,
                                    self.episode_config, seed=episode_seed(self.seed, group_id, i))
             return Rollout(ep.reward, ep.won, ep.records, ep.stats.as_dict())
 
@@ -102,8 +167,11 @@ class Orchestrator:
 
     def fill(self) -> None:
         while self._launching and len(self.running) + len(self.completed) < self.target_groups:
-            gid = self.next_group
-            self.next_group += 1
+            if self.relaunch:
+                gid = self.relaunch.popleft()
+            else:
+                gid = self.next_group
+                self.next_group += 1
             task = self.tasks[gid % len(self.tasks)]
             self.running[gid] = asyncio.get_running_loop().create_task(self._run_group(gid, task))
 
@@ -139,13 +207,38 @@ class Orchestrator:
                     raise t
         self._launching = True
 
+    async def pause(self) -> None:
+        """Stop the running groups in place: their engine calls in flight return, the next ones wait (``resume``).
+        Nothing is launched meanwhile (``fill`` is the run loop's, which is the one pausing)."""
+        await self.episode_client.pause()
+
+    def resume(self) -> None:
+        self.episode_client.resume()
+
+    async def abandon(self) -> None:
+        """The run is over: cancel the running groups (paused or not) and close the streams they left open."""
+        tasks = list(self.running.values())
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.running.clear()
+        client = self.episode_client
+        for sid in sorted(client.open_sids):
+            with contextlib.suppress(Exception):  # a stream the engine dropped already: nothing left to free
+                await client.close(sid)
+        client.resume()
+
     def state_dict(self) -> dict:
-        if self.running:
-            raise RuntimeError("drain() before taking the orchestrator's state")
+        """At a drained point, or a paused one: the paused groups are recorded by id and started again by a run
+        resumed from this state (``relaunch``)."""
+        if self.running and not self.episode_client.paused:
+            raise RuntimeError("drain() or pause() before taking the orchestrator's state")
         return {"next_group": self.next_group, "completed": [g.to_dict() for g in self.completed],
+                "relaunch": [*self.relaunch, *sorted(self.running)],
                 "stale_groups": self.stale_groups, "stale_rollouts": self.stale_rollouts}
 
     def load_state_dict(self, state: dict) -> None:
         self.next_group = state["next_group"]
+        self.relaunch = deque(state.get("relaunch", []))
         self.completed = deque(Group.from_dict(g) for g in state["completed"])
         self.stale_groups, self.stale_rollouts = state["stale_groups"], state["stale_rollouts"]

@@ -150,7 +150,7 @@ def step_metrics(step: int, groups: list[Group], train: dict, timing: dict, orch
         "stale_groups_dropped": orch.stale_groups, "stale_rollouts_dropped": orch.stale_rollouts,
         "tokens_per_s": gen / max(timing["rollout_s"] + timing["train_s"], 1e-9),
         "env_steps_per_s": turns / max(timing["rollout_s"] + timing["train_s"], 1e-9),
-        "batch_digest": batch_digest(groups), **timing, **train,
+        "batch_digest": batch_digest(groups), "group_ids": [g.group_id for g in groups], **timing, **train,
     }
 
 
@@ -227,7 +227,7 @@ async def _train(cfg: Config, out: Path, trainer, model_path: str, state, device
     on_server = cfg.inference.engine == "sglang" and cfg.evaluation.on_server
     held_out = (HeldOut(cfg, model_path, device, taskset, renderer, client=inference.client if on_server else None)
                 if cfg.evaluation.every else None)
-    start, gpu_s = 0, 0.0  # gpu_s: the run's time on its devices (steps and drains; evaluation excluded)
+    start, gpu_s = 0, 0.0  # gpu_s: the run's time on its devices (steps, drains, pauses; evaluation excluded)
     if state is not None:
         orch.load_state_dict(state["orchestrator"])
         checkpoint.set_rng_state(state["rng"])
@@ -236,14 +236,15 @@ async def _train(cfg: Config, out: Path, trainer, model_path: str, state, device
         eval_log.truncate_after(start)
     await inference.update_weights(trainer.engine_weights(), start)
 
-    async def evaluate_at(step: int) -> None:
+    async def evaluate_at(step: int, **stop) -> None:
         for result in await held_out.evaluate(trainer.engine_weights()):
-            eval_log.log({"step": step, "gpu_s": gpu_s, "split": result.stage, "on_server": on_server,
+            eval_log.log({"step": step, "gpu_s": gpu_s, "split": result.stage, "on_server": on_server, **stop,
                           **result.as_dict()})
 
     if held_out is not None and not any(r["step"] == start for r in eval_log.rows()):
         await evaluate_at(start)  # the starting policy (a resumed run evaluated at its checkpoint already)
     budget = cfg.run.time_budget_s
+    drain = cfg.run.drain_at_checkpoint
     with Progress() as progress:
         # a time-budgeted run ends on its GPU-seconds, not its step count: the bar counts what ends it
         bar = (progress.add_task("RL steps", total=cfg.run.steps, completed=start) if budget is None else
@@ -281,17 +282,21 @@ async def _train(cfg: Config, out: Path, trainer, model_path: str, state, device
             last = step + 1 == cfg.run.steps or (budget is not None and gpu_s >= budget)
             evaluate_now = held_out is not None and ((step + 1) % cfg.evaluation.every == 0 or last)
             if evaluate_now or (step + 1) % cfg.run.checkpoint_every == 0 or last:
+                # the groups in flight finish (drain_at_checkpoint) or stop in place, on the run's time; then
+                # nothing runs while the checkpoint is written and the held-out games are played
                 t = time.perf_counter()
-                await orch.drain()  # the groups in flight finish on the run's time, then nothing runs
-                gpu_s += time.perf_counter() - t
+                await (orch.drain() if drain else orch.pause())
+                stop_s = time.perf_counter() - t
+                gpu_s += stop_s
                 checkpoint.save(out / "checkpoints", step + 1, {"trainer": trainer.checkpoint_state(),
                                                                "orchestrator": orch.state_dict(), "gpu_s": gpu_s},
                                 keep=cfg.run.keep_checkpoints)
                 if evaluate_now:
-                    await evaluate_at(step + 1)
+                    await evaluate_at(step + 1, drained=drain, stop_s=round(stop_s, 3))
+                orch.resume()
             if last:
                 break
-    await orch.drain()
+    await (orch.drain() if drain else orch.abandon())  # abandon: paused groups a resumed run would start again
     await inference.close()
     trainer.close()
     metrics.plot(out / "metrics.png")

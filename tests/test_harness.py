@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from harness import checkpoint
 from harness.config import load_config
 from harness.loss import group_advantages, policy_loss, token_weights
 from harness.run import main, run
@@ -335,6 +336,79 @@ def test_killed_run_resumes_with_the_same_trained_data(tmp_path):
     proc.wait()
     run_checked(run_cli(killed, 4, "--resume"), env)
     assert digests(killed) == digests(tmp_path / "straight") and len(digests(killed)) == 4
+
+
+def test_paused_rollouts_call_no_engine_until_resumed(tmp_path):
+    """``Orchestrator.pause`` (a checkpoint or an evaluation with ``run.drain_at_checkpoint = false``): the engine
+    calls in flight return, then no episode touches the engine until ``resume``; the paused groups are the state's
+    ``relaunch`` (a resumed run starts them again) and finish after the resume."""
+    from transformers import AutoTokenizer
+
+    from envs.registry import make_taskset
+    from envs.rollout.chat import ChatRenderer
+    from harness.inference import BuiltinInference
+    from harness.orchestrator import Orchestrator
+    from harness.run import build_trainer
+
+    cfg = small(tmp_path, "paused", "--orchestrator.episode.max_turns", "12", "--environment.options.rooms", "10")
+
+    async def scenario():
+        _, path, _ = build_trainer(cfg, resume=False)
+        inference = BuiltinInference(cfg.inference, path, torch.device("cpu"))
+        streams = inference.engine.table.streams
+        tasks = make_taskset(cfg.environment.name, cfg.environment.options)
+        renderer = ChatRenderer(AutoTokenizer.from_pretrained(path), tasks.make_env().system_prompt)
+        orch = Orchestrator(cfg.orchestrator, cfg.compaction, inference.client, tasks, renderer)
+        orch.fill()
+        while sum(st.ledger.num_computed > 0 for st in streams.values()) < 2:
+            await asyncio.sleep(0.01)
+        await orch.pause()
+        paused = sorted(orch.running)
+        state = orch.state_dict()
+
+        def tokens():  # per stream: (appended, computed); a stream may close meanwhile (closing is not held)
+            return {sid: (st.ledger.end, st.ledger.num_computed) for sid, st in streams.items()}
+
+        held = [tokens()]
+        for _ in range(5):
+            await asyncio.sleep(0.1)
+            held.append(tokens())
+        orch.resume()
+        await orch.drain()
+        return paused, state, held, [g.group_id for g in orch.completed], tokens()
+
+    paused, state, held, finished, after = asyncio.run(scenario())
+    assert paused and state["relaunch"] == paused
+    for later in held[1:]:  # not one stream opened, not one token appended or computed while paused
+        assert set(later) <= set(held[0]) and all(later[sid] == held[0][sid] for sid in later)
+    assert set(paused) <= set(finished) and after != held[-1]  # and they went on after the resume
+
+
+def test_a_run_paused_at_its_checkpoints_resumes_by_starting_the_paused_groups_again(tmp_path):
+    """``run.drain_at_checkpoint = false``: each checkpoint and evaluation stops the rollouts in place (the eval rows
+    say so, with the stop's seconds on the run's clock) instead of letting every group finish; the run's end abandons
+    the paused groups, and a run resumed from its last checkpoint starts them again: no group is trained twice and
+    none is lost (trained, waiting in the state, or dropped as stale)."""
+    def cfg(steps):
+        return small(tmp_path, "paused", "--run.steps", str(steps), "--run.checkpoint_every", "1",
+                     "--run.drain_at_checkpoint", "false", "--orchestrator.oversubscription", "2",
+                     "--evaluation.every", "1", "--environment.num_eval", "2")
+
+    first = asyncio.run(run(cfg(2), overlap=False))
+    state = checkpoint.load_latest(tmp_path / "paused" / "checkpoints")["orchestrator"]
+    assert state["relaunch"]  # groups in flight at the run's end, not run to their end
+    evals = [json.loads(x) for x in (tmp_path / "paused" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 1, 2]
+    assert all(not e["drained"] and e["stop_s"] >= 0 for e in evals[1:])
+    rows = asyncio.run(run(cfg(4), resume=True, overlap=False))
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[:2] == first
+    trained = [gid for r in rows for gid in r["group_ids"]]
+    assert len(trained) == len(set(trained))
+    end = checkpoint.load_latest(tmp_path / "paused" / "checkpoints")["orchestrator"]
+    waiting = [g["group_id"] for g in end["completed"]] + end["relaunch"]
+    assert not set(waiting) & set(trained)
+    assert len(trained) + len(waiting) + end["stale_groups"] == end["next_group"]
+    assert set(state["relaunch"]) <= set(trained) | set(waiting)
 
 
 def test_reward_rises_on_the_toy_corridor(tmp_path):

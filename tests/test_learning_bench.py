@@ -57,7 +57,10 @@ def test_three_runs_from_one_sft_checkpoint_with_points_and_targets(bench_state)
         assert steps == [0, 1, 2], name  # at the start, every step (evaluation.every 1), at the end
         gpu_s = [p["gpu_s"] for p in run["points"]]
         assert gpu_s[0] == 0 and gpu_s == sorted(gpu_s) and gpu_s[-1] > 0
-        assert run["gpu_s"] >= gpu_s[-1], name  # the run's clock at its end: after the drain of its last evaluation
+        assert run["gpu_s"] >= gpu_s[-1], name  # the run's clock at its end: after the pause of its last evaluation
+        # the config pauses the rollouts for an evaluation (run.drain_at_checkpoint = false), on the run's clock
+        assert all(not p["drained"] and p["stop_s"] >= 0 for p in run["points"][1:])
+        assert run["stop_s"] == round(sum(p["stop_s"] for p in run["points"][1:]), 1)
         assert all(p["episodes"] == 2 and 0 <= p["win_rate"] <= 1 for p in run["points"])
     assert report["runs"]["kv_streams"]["tokens_reprefilled"] == 0
     assert set(report["targets"]) == {"rl_lift", "gpu_s_to_reprefill_final", "vs_full_context"}
