@@ -187,6 +187,8 @@ class Orchestrator:
 
     async def batch(self, step: int) -> list[Group]:
         """The next ``T`` complete groups usable at trainer step ``step``."""
+        if self.episode_client.paused:
+            raise RuntimeError("batch() while the rollouts are paused: resume() first")
         while True:
             self._drop_stale(step)
             if len(self.completed) >= self.config.groups_per_step:
@@ -199,7 +201,8 @@ class Orchestrator:
                 t.result()  # surface episode errors
 
     async def drain(self) -> None:
-        """Stop launching, let every running group finish, resume launching."""
+        """Stop launching, let every running group finish (paused ones resumed), resume launching."""
+        self.episode_client.resume()
         self._launching = False
         while self.running:
             for t in await asyncio.gather(*list(self.running.values()), return_exceptions=True):
