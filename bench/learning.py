@@ -398,6 +398,8 @@ class LearningBench:
                   "gpu_s": rows[-1]["gpu_s"] if rows else 0.0, "wall_s": round(time.perf_counter() - t0, 1),
                   "resumed": resume, "engine": self.cfg.serving.engine, "server_start_s": start_s,
                   "server_started_during_sft": early,
+                  # the trainer's first-use compiles before the clock, per process that ran the run (harness.run)
+                  "trainer_warm_up_s": [round(r["trainer_warm_up_s"], 1) for r in rows if "trainer_warm_up_s" in r],
                   "server_flags": server.command()[4:] if server is not None else None,
                   "device": device_name(self.device)}
         write_json(out / "done.json", record)

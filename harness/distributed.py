@@ -71,6 +71,10 @@ class TrainerRanks:
     def engine_weights(self) -> dict[str, torch.Tensor]:
         return self._call("weights", self.trainer.engine_weights)
 
+    def warm_up(self) -> float:
+        """The trainer's first-use compiles, on every rank, where its scoring has them (else 0 s)."""
+        return self._call("warm_up", self.trainer.warm_up) if self.trainer.compiles else 0.0
+
     def checkpoint_state(self) -> dict:
         return self._call("checkpoint", self.trainer.checkpoint_state)
 
@@ -90,7 +94,7 @@ def scatter_shards(shards: list[list[TrainSample]] | None, side_group) -> list[T
 def follow(trainer: Trainer) -> None:
     """The loop of ranks > 0: do what rank 0 announces until it says stop."""
     side_group = dist.new_group(backend="gloo")
-    calls = {"weights": trainer.engine_weights, "checkpoint": trainer.checkpoint_state}
+    calls = {"weights": trainer.engine_weights, "checkpoint": trainer.checkpoint_state, "warm_up": trainer.warm_up}
     while True:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=side_group)

@@ -235,6 +235,7 @@ async def _train(cfg: Config, out: Path, trainer, model_path: str, state, device
         metrics.truncate_after(start - 1)
         eval_log.truncate_after(start)
     await inference.update_weights(trainer.engine_weights(), start)
+    warm_up_s = trainer.warm_up()  # the trainer's compiles before the clock, as the servers' (first row: its seconds)
 
     async def evaluate_at(step: int, **stop) -> None:
         for result in await held_out.evaluate(trainer.engine_weights()):
@@ -271,6 +272,8 @@ async def _train(cfg: Config, out: Path, trainer, model_path: str, state, device
             row["tokens_reprefilled_on_update"] = recomputed
             row["tokens_reprefilled"] += recomputed
             row["gpu_s"] = gpu_s
+            if step == start:
+                row["trainer_warm_up_s"] = warm_up_s
             if device.type == "cuda":
                 row["engine_peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             metrics.log(row)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from trainer_masks import StreamRecord
-from trainer_masks.scoring import score_streams
+from trainer_masks import EvictionEvent, StreamRecord
+from trainer_masks.scoring import resolve_impl, score_streams
 from trainer_masks.scoring.lm_head import decoder
 
 from .config import TrainerConfig
@@ -157,6 +158,35 @@ class Trainer:
         self.optimizer.step()
         self.step_count += 1
         return self.reduce_metrics(sums, grad_norm, lr)
+
+    @property
+    def compiles(self) -> bool:
+        """Its scoring compiles at first use: FlexAttention, ``torch.compile``d by transformers."""
+        return resolve_impl(self.config.impl, self.device) == "flex"
+
+    def warm_up(self) -> float:
+        """Compile what a run's first steps would, before its clock starts (as its inference server is warmed): the
+        policy's forward and backward and the reference's forward over two records of different lengths, each with
+        an eviction (the second length makes ``torch.compile`` recompile with dynamic shapes, once). A run's first
+        step otherwise carried ~12 s of FlexAttention compiles on a fresh H100 process (2026-12-06), whichever run
+        came first. The records weigh 0 and no optimizer step follows: weights, optimizer, schedule and RNG are as
+        before. Every rank calls it (FSDP). Returns its seconds."""
+        t0 = time.perf_counter()
+        cpu_rng = torch.random.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        self.model.train()
+        vocab = self.model.config.vocab_size
+        for n in (333, 777):
+            record = StreamRecord(token_ids=[1 + i % (vocab - 1) for i in range(n)], positions=list(range(n)),
+                                  sources=["env"] * n, loss_mask=[False] * n, logprobs=[None] * n,
+                                  policy_versions=[None] * n, evictions=[EvictionEvent(at_index=n // 2,
+                                                                                      spans=((16, n // 4),))])
+            self.forward_backward([TrainSample(record, 0.0, 0.0)])
+        self.optimizer.zero_grad(set_to_none=True)
+        torch.random.set_rng_state(cpu_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, self.device)
+        return time.perf_counter() - t0
 
     def micro_batches(self, local: list[TrainSample]) -> list[list[TrainSample]]:
         """This rank's forwards (``micro_batch_records``, ``micro_batch_tokens``). Packed by tokens, ranks can

@@ -338,6 +338,29 @@ def test_killed_run_resumes_with_the_same_trained_data(tmp_path):
     assert digests(killed) == digests(tmp_path / "straight") and len(digests(killed)) == 4
 
 
+def test_the_trainers_warm_up_changes_nothing_it_would_train(tmp_path):
+    """``Trainer.warm_up`` (run before a run's clock where scoring compiles: FlexAttention on CUDA) runs the policy's
+    forward and backward and the reference's forward, and leaves the weights, the optimizer, the step count and the
+    RNG as they were; a run whose scoring does not compile (SDPA here) skips it and says 0 s in its first row."""
+    import copy
+
+    from harness.distributed import TrainerRanks
+    from harness.run import build_trainer
+
+    cfg = small(tmp_path, "warm")
+    trainer, _, _ = build_trainer(cfg, resume=False)
+    before = copy.deepcopy(trainer.model.state_dict()), copy.deepcopy(trainer.optimizer.state_dict())
+    rng = torch.random.get_rng_state()
+    assert not trainer.compiles and TrainerRanks(trainer).warm_up() == 0.0  # SDPA on the CPU: nothing to compile
+    assert trainer.warm_up() > 0  # called anyway: it runs
+    assert all(torch.equal(v, trainer.model.state_dict()[k]) for k, v in before[0].items())
+    assert trainer.optimizer.state_dict() == before[1] and trainer.step_count == 0
+    assert all(p.grad is None for p in trainer.model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    trainer.config = trainer.config.model_copy(update={"impl": "flex"})
+    assert trainer.compiles
+
+
 def test_paused_rollouts_call_no_engine_until_resumed(tmp_path):
     """``Orchestrator.pause`` (a checkpoint or an evaluation with ``run.drain_at_checkpoint = false``): the engine
     calls in flight return, then no episode touches the engine until ``resume``; the paused groups are the state's
@@ -402,6 +425,7 @@ def test_a_run_paused_at_its_checkpoints_resumes_by_starting_the_paused_groups_a
     assert all(not e["drained"] and e["stop_s"] >= 0 for e in evals[1:])
     rows = asyncio.run(run(cfg(4), resume=True, overlap=False))
     assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[:2] == first
+    assert [r.get("trainer_warm_up_s") for r in rows] == [0.0, None, 0.0, None]  # each process's first step
     trained = [gid for r in rows for gid in r["group_ids"]]
     assert len(trained) == len(set(trained))
     end = checkpoint.load_latest(tmp_path / "paused" / "checkpoints")["orchestrator"]

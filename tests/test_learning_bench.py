@@ -293,6 +293,7 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
         assert done["engine"] == "sglang" and done["server_start_s"] > 0 and run["steps"] == 2
         assert done["server_started_during_sft"] == (name == "kv_streams")  # the first run's, on the base model
         assert done["sft_sha256"] == sft_sha
+        assert done["trainer_warm_up_s"] == [0.0]  # one process; SDPA on the CPU compiles nothing to warm
         assert "--enable-kv-streams" in done["server_flags"] and (kv in done["server_flags"]) == (kv is not None)
         assert "--enable-prefill-delayer" in done["server_flags"]  # the config's [serving] flags: turn batching
         assert done["scheduler_host"]["match_prefix"]["calls"] > 0  # the server's host time per hook, recorded
