@@ -439,7 +439,8 @@ class LearningBench:
         for r in rows:
             p = by_step.setdefault(r["step"], {"step": r["step"], "gpu_s": round(r["gpu_s"], 2), "splits": {},
                                                # how the rollouts stopped for it, and the seconds that took
-                                               "drained": r.get("drained", True), "stop_s": r.get("stop_s")})
+                                               # (None: the start, or a row from before 2026-12-07)
+                                               "drained": r.get("drained"), "stop_s": r.get("stop_s")})
             p["splits"][r["split"]] = {k: r[k] for k in ("episodes", "wins", "win_rate", "mean_reward",
                                                           "mean_turns", "tokens_reprefilled", "peak_kv_tokens")}
             p["splits"][r["split"]]["seconds"] = r.get("seconds")  # its wall time (rows before 2026-12-06: none)
