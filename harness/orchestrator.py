@@ -92,10 +92,14 @@ class PausableClient:
         attr = getattr(self.client, name)
         return self._gated(attr) if name in self.GATED else attr
 
+    async def ready(self) -> None:
+        """Return once a call would start now: the episode times its engine calls from there (``generate_s``)."""
+        while not self._gate.is_set():
+            await self._gate.wait()
+
     def _gated(self, fn):
         async def call(*args, **kwargs):
-            while not self._gate.is_set():
-                await self._gate.wait()
+            await self.ready()
             self._calls += 1
             self._quiet.clear()
             try:

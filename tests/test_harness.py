@@ -393,10 +393,13 @@ def test_paused_rollouts_call_no_engine_until_resumed(tmp_path):
             return {sid: (st.ledger.end, st.ledger.num_computed) for sid, st in streams.items()}
 
         held = [tokens()]
+        ready = asyncio.ensure_future(orch.episode_client.ready())  # where an episode starts timing its turn
         for _ in range(5):
             await asyncio.sleep(0.1)
             held.append(tokens())
+        assert not ready.done()
         orch.resume()
+        await ready
         await orch.drain()
         return paused, state, held, [g.group_id for g in orch.completed], tokens()
 
