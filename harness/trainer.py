@@ -181,7 +181,7 @@ class Trainer:
                                   sources=["env"] * n, loss_mask=[False] * n, logprobs=[None] * n,
                                   policy_versions=[None] * n, evictions=[EvictionEvent(at_index=n // 2,
                                                                                       spans=((16, n // 4),))])
-            self.forward_backward([TrainSample(record, 0.0, 0.0)])
+            self.forward_backward([TrainSample(record, advantage=0.0, weight=0.0)])
         self.optimizer.zero_grad(set_to_none=True)
         torch.random.set_rng_state(cpu_rng)
         if cuda_rng is not None:
