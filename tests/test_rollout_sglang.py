@@ -477,9 +477,11 @@ def test_concentration_study_runs_refill_then_waves_on_one_cpu_server(cpu_server
         assert 0 < m["mean_decode_batch"] <= 4 and m["mean_resident_kv_tokens"] > 0, (mode, m)
         assert "flush_cache_failed" not in m, m["flush_cache_failed"]
     refill, waves = (result[m]["step_profile"]["prefill"] for m in ("refill", "waves"))
-    # the same episodes from an empty cache each: the same prefill (before the flush, waves found refill's prompts in
-    # the tree: 1,513 tokens computed against 2,844; a turn's sampled length may differ by a token or so)
-    assert waves["tokens"] == pytest.approx(refill["tokens"], rel=0.05), (refill, waves)
+    # the same episodes from an empty cache each: about the same prefill. Before the flush, waves found refill's
+    # prompts in the tree: 1,513 tokens computed against 2,844 (-47%). Within a mode, which shared prompt prefixes the
+    # 2,048-token pool still holds when a later episode starts depends on the modes' timing: 2,843 vs 2,844 in most
+    # clean-clone CI runs, 2,654 vs 2,844 (-6.7%, the same 13,139 tokens computed + cached) in one (2026-12-07)
+    assert waves["tokens"] == pytest.approx(refill["tokens"], rel=0.15), (refill, waves)
     assert result["waves"]["waves"] == 2 and result["refill"]["waves"] == 0
     assert result["theory"]["scheduled_call_ratio_these_episodes"] >= 1.0
     assert c.out.with_suffix(".png").stat().st_size > 1000
