@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent("""
                    merge=extend._merge_splits_kernel, store=store._store_kernel,
                    hf_rms_norm=hf_rms_norm._hf_rms_norm_kernel, plan_count=region_plan._count_kernel,
                    plan_write=region_plan._write_kernel)
-    INTS = {"H", "R", "N", "num_heads", "chunk", "magic", "num_req", "sink", "recent", "ring", "width"}
+    INTS = {"H", "R", "N", "num_heads", "chunk", "magic", "splits", "num_req", "sink", "recent", "ring", "width"}
     case = json.loads(sys.argv[1])
     fn = KERNELS[case["kernel"]]
     signature = {}
@@ -60,15 +60,15 @@ CASES = {
     "extend_grid": dict(kernel="extend", pointers=dict(
         Q="bf16", Q8="i8", QScale="fp16", KNew="bf16", VNew="bf16", QoIndptr="i32", KvIndptr="i32", KvIndices="i32",
         SideIndptr="i32", SideIndices="i32", **CACHE, KMeta="i32", VMeta="i32", Out="bf16", Lse="bf16"),
-        constexprs=dict(GROUP=4, TOK=32, BLOCK_R=128, BLOCK_N=32, HALF=64, DOT_PREC="tf32", SPLITS=1, WORDS=True,
+        constexprs=dict(GROUP=4, TOK=32, BLOCK_R=128, BLOCK_N=32, HALF=64, DOT_PREC="tf32", WORDS=True,
                         USE_ASM=True)),
     "extend_split_bytes": dict(kernel="extend", pointers=dict(
         Q="bf16", Q8="i8", QScale="fp16", KNew="bf16", VNew="bf16", QoIndptr="i32", KvIndptr="i32", KvIndices="i32",
         SideIndptr="i32", SideIndices="i32", **CACHE, KMeta="fp16", VMeta="fp16", Out="fp32", Lse="fp32"),
-        constexprs=dict(GROUP=4, TOK=32, BLOCK_R=128, BLOCK_N=64, HALF=64, DOT_PREC="tf32", SPLITS=4, WORDS=False,
+        constexprs=dict(GROUP=4, TOK=32, BLOCK_R=128, BLOCK_N=64, HALF=64, DOT_PREC="tf32", WORDS=False,
                         USE_ASM=False)),
     "merge": dict(kernel="merge", pointers=dict(Part="fp32", Lse="fp32", Out="bf16"),
-                  constexprs=dict(SPLITS=4, SPLITS_P2=4, BLOCK_H=16, D=128)),
+                  constexprs=dict(SPLITS_P2=16, BLOCK_H=16, D=128)),
     "store": dict(kernel="store", pointers=dict(K="bf16", V="bf16", Slots="i64", SideSlots="i64", Hmat="fp32", **CACHE,
                                                 KMeta="fp16", VMeta="fp16"),
                   constexprs=dict(HALF=64, BLOCK_T=64, ROTATE=True, ROT_PREC="tf32x3")),

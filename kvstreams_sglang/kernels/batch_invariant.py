@@ -46,7 +46,7 @@ def invariant_dot(a, b, EMULATE: tl.constexpr):
         return tl.dot(a, b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("M",))  # the batch's tokens: one compile for any (Triton specialises 1, 16k)
 def _matmul_kernel(A, B, C, Bias, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_cm, stride_cn,
                    HAS_BIAS: tl.constexpr, EMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                    BK: tl.constexpr):

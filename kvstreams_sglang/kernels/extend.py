@@ -12,6 +12,13 @@ latency bound. With ``splits > 1`` each program takes one contiguous chunk of th
 (the last split also takes the INT8 region and the new tokens), writes its normalised partial
 output and log2-sum-exp, and ``_merge_splits_kernel`` combines them exactly (flash-decoding).
 Reference: ``kv4.reference.extend_reference``.
+
+One compiled variant per launch shape, whatever the batch: the split count is a runtime argument, and Triton
+does not specialise on the arguments that follow the batch (``BATCH_INTS``: the partials' strides grow with its
+tokens; ``INDEX_POINTERS``: the index lists are views at any offset). As constexprs and specialised values they
+made 40 extend and 25 merge variants on a fresh H100 (2026-12-07), one every ~3 s in SGLang's scheduler thread:
+at the server's start, through a learning run's first evaluation (84 s for 128 TextWorld games; with 64 games the
+first took 38 s and the later ones 6.5-8 s) and into its first RL steps, on the run's clock.
 """
 
 from __future__ import annotations
@@ -29,8 +36,13 @@ from .decode import FP16_MAGIC, LOG2E, meta_words, use_asm
 from .quantize import kv4_quantize_query
 from .tiles import int4_load_w, int4_math_w, int4_tile, int8_region, online_update
 
+# launch arguments that change with the batch: not specialised on (module docstring)
+BATCH_INTS = ("splits", "stride_os", "stride_ls", "stride_ps")
+INDEX_POINTERS = ("QoIndptr", "KvIndptr", "KvIndices", "SideIndptr", "SideIndices")
+MAX_SPLITS = 16  # extend_splits' cap: the merge loads every split's log2-sum-exp in one tile
 
-@triton.jit
+
+@triton.jit(do_not_specialize=BATCH_INTS, do_not_specialize_on_alignment=INDEX_POINTERS)
 def _extend_kernel(
     Q, stride_qt, stride_qh, Q8, QScale, stride_q8t, stride_q8h, stride_qst, stride_qsh,
     KNew, VNew, stride_kt, stride_kh, stride_vt, stride_vh, QoIndptr,
@@ -38,13 +50,13 @@ def _extend_kernel(
     KCodes, KMeta, VCodes, VMeta, KSide, KSideScale, VSide, VSideScale,
     stride_cs, stride_ch, stride_ms, stride_mh, stride_ss, stride_sh, stride_scs, stride_sch,
     Out, stride_os, stride_ot, stride_oh, Lse, stride_ls, stride_lt,
-    sm_scale_log2, magic,
+    sm_scale_log2, magic, splits,
     GROUP: tl.constexpr, TOK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-    HALF: tl.constexpr, DOT_PREC: tl.constexpr, SPLITS: tl.constexpr, WORDS: tl.constexpr, USE_ASM: tl.constexpr,
+    HALF: tl.constexpr, DOT_PREC: tl.constexpr, WORDS: tl.constexpr, USE_ASM: tl.constexpr,
 ):
     mb = tl.program_id(0)
-    b = tl.program_id(1) // SPLITS
-    split = tl.program_id(1) % SPLITS
+    b = tl.program_id(1) // splits
+    split = tl.program_id(1) % splits
     hk = tl.program_id(2)
     q_start = tl.load(QoIndptr + b)
     n_new = tl.load(QoIndptr + b + 1) - q_start
@@ -71,7 +83,7 @@ def _extend_kernel(
     # ---- INT4 prefix: this split's chunk (BLOCK_N-aligned) ----
     start = tl.load(KvIndptr + b)
     length = tl.load(KvIndptr + b + 1) - start
-    chunk = tl.cdiv(tl.cdiv(length, SPLITS), BLOCK_N) * BLOCK_N
+    chunk = tl.cdiv(tl.cdiv(length, splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, length)
     acc_off = tl.zeros([BLOCK_R], tl.float32)
@@ -92,7 +104,7 @@ def _extend_kernel(
     acc_hi += acc_off[:, None]
 
     # ---- INT8 prefix (last split) ----
-    if split == SPLITS - 1:
+    if split == splits - 1:
         m_i, l_i, acc_lo, acc_hi = int8_region(
             q8_lo, q8_hi, qs, m_i, l_i, acc_lo, acc_hi, SideIndptr, SideIndices, b, hk,
             KSide, KSideScale, VSide, VSideScale, stride_ss, stride_sh, stride_scs, stride_sch, BLOCK_N, HALF)
@@ -102,7 +114,7 @@ def _extend_kernel(
     q_lo = tl.load(q_ptr, mask=rmask[:, None], other=0.0)
     q_hi = tl.load(q_ptr + HALF, mask=rmask[:, None], other=0.0)
     fs = sm_scale_log2
-    kv_end = tl.where(split == SPLITS - 1, tl.minimum(n_new, mb * TOK + TOK), 0)
+    kv_end = tl.where(split == splits - 1, tl.minimum(n_new, mb * TOK + TOK), 0)
     for j0 in range(0, kv_end, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         jmask = j < kv_end
@@ -125,28 +137,28 @@ def _extend_kernel(
     o_ptr = Out + split * stride_os + t[:, None] * stride_ot + qh[:, None] * stride_oh + d[None, :]
     tl.store(o_ptr, (acc_lo / denom[:, None]).to(Out.dtype.element_ty), mask=rmask[:, None])
     tl.store(o_ptr + HALF, (acc_hi / denom[:, None]).to(Out.dtype.element_ty), mask=rmask[:, None])
-    if SPLITS > 1:  # the split's log2-sum-exp (-inf when it saw no key) for the merge
+    if splits > 1:  # the split's log2-sum-exp (-inf when it saw no key) for the merge
         lse = tl.where(l_i > 0, m_i + tl.log2(denom), float("-inf"))
         tl.store(Lse + split * stride_ls + t * stride_lt + qh, lse, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BATCH_INTS)
 def _merge_splits_kernel(Part, Lse, Out, stride_ps, stride_pt, stride_ph, stride_ls, stride_lt, stride_ot, stride_oh,
-                         num_heads, SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, BLOCK_H: tl.constexpr,
-                         D: tl.constexpr):
-    """``out[t, h] = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M)``: the exact merge of the splits."""
+                         num_heads, splits, SPLITS_P2: tl.constexpr, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    """``out[t, h] = sum_s 2^(lse_s - M) part_s / sum_s 2^(lse_s - M)``: the exact merge of the splits, in split
+    order (``SPLITS_P2``: a power of two >= ``splits``)."""
     t = tl.program_id(0)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = h < num_heads
     s = tl.arange(0, SPLITS_P2)
     lse = tl.load(Lse + s[:, None] * stride_ls + t * stride_lt + h[None, :],
-                  mask=(s[:, None] < SPLITS) & hmask[None, :], other=float("-inf"))
+                  mask=(s[:, None] < splits) & hmask[None, :], other=float("-inf"))
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)
     d = tl.arange(0, D)
     acc = tl.zeros([BLOCK_H, D], tl.float32)
     total = tl.zeros([BLOCK_H], tl.float32)
-    for i in tl.static_range(SPLITS):
+    for i in range(splits):
         lse_i = tl.load(Lse + i * stride_ls + t * stride_lt + h, mask=hmask, other=float("-inf"))
         w = tl.exp2(lse_i - m)
         part = tl.load(Part + i * stride_ps + t * stride_pt + h[:, None] * stride_ph + d[None, :], mask=hmask[:, None],
@@ -224,7 +236,7 @@ def extend_splits(programs: int, n: int, hq: int, d: int, device: torch.device) 
         return 1
     want = triton.cdiv(2 * sms, max(programs, 1))
     cap = max(_PARTIAL_BYTES // max(n * hq * d * 4, 1), 1)
-    return int(max(1, min(want, 16, cap)))
+    return int(max(1, min(want, MAX_SPLITS, cap)))
 
 
 def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_indptr: torch.Tensor,
@@ -273,6 +285,8 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
     block_r, tok, q_blocks = grid(tile.block_r)
     if splits is None:
         splits = extend_splits(q_blocks * b * hkv, n, hq, d, q.device)
+    if not 1 <= splits <= MAX_SPLITS:
+        raise ValueError(f"kv4_extend: splits={splits}, expected 1..{MAX_SPLITS}")
     if splits > 1:
         part = torch.empty(splits, n, hq, d, dtype=torch.float32, device=q.device)
         lse = torch.empty(splits, n, hq, dtype=torch.float32, device=q.device)
@@ -292,15 +306,14 @@ def kv4_extend(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, qo_ind
         c.k_side.stride(0), c.k_side.stride(1), c.k_side_scale.stride(0), c.k_side_scale.stride(1),
         target, target.stride(0), target.stride(1), target.stride(2), lse if lse is not None else target,
         *lse_strides,
-        sm_scale * LOG2E, FP16_MAGIC,
+        sm_scale * LOG2E, FP16_MAGIC, splits,
         GROUP=group, TOK=tok, BLOCK_R=block_r, BLOCK_N=tile.block_n, HALF=d // 2,
-        DOT_PREC="ieee" if compute == torch.float32 else "tf32", SPLITS=splits, WORDS=tile.words,
+        DOT_PREC="ieee" if compute == torch.float32 else "tf32", WORDS=tile.words,
         USE_ASM=use_asm(q.device), num_warps=tile.num_warps,
     )
     if splits > 1:
         block_h = min(triton.next_power_of_2(hq), 16)
         _merge_splits_kernel[(n, triton.cdiv(hq, block_h))](
             part, lse, out, part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
-            out.stride(0), out.stride(1), hq,
-            SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits), BLOCK_H=block_h, D=d)
+            out.stride(0), out.stride(1), hq, splits, SPLITS_P2=MAX_SPLITS, BLOCK_H=block_h, D=d)
     return out

@@ -82,7 +82,7 @@ def int8_codes(x_lo, x_hi):
     return c_lo, c_hi, scale
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("R",))  # tokens x heads: one compile for any batch (Triton specialises 1 and 16k)
 def _query_kernel(Q, stride_qt, stride_qh, H, Hmat, Codes, Scale, R, HALF: tl.constexpr, BLOCK_R: tl.constexpr,
                   ROTATE: tl.constexpr):
     # row r is head r % H of token r // H: a [T, H, D] view is read in place (SGLang's q is a slice of one

@@ -35,7 +35,7 @@ def _walk(req_to_token, stride_row, slot_positions, row, start, n, end, sink, re
     return slot, pos, inside & protected, inside & ~protected
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_req",))  # the batch size: one compile for any (Triton specialises 1 and 16k)
 def _count_kernel(rows, lengths, ends, req_to_token, stride_row, slot_positions, counts, num_req, sink, recent,
                   BLOCK: tl.constexpr):
     b = tl.program_id(0)

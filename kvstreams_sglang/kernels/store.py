@@ -18,7 +18,7 @@ from ..kv4.cache import KV4LayerCache
 from .quantize import device_hadamard, int4_codes, int8_codes, rotate_halves
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("N",))  # the batch's tokens: one compile for any (Triton specialises 1, 16k)
 def _store_kernel(
     K, V, stride_kt, stride_kh, stride_vt, stride_vh,
     Slots, SideSlots, Hmat,
