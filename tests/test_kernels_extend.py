@@ -3,6 +3,7 @@
 import pytest
 import torch
 from kv4_cases import filled_cache, rel_l2
+from triton_keys import record_launch_keys
 
 from kvstreams_sglang.kernels import kv4_extend
 from kvstreams_sglang.kernels.extend import ExtendTile
@@ -128,32 +129,14 @@ def test_extend_bench_shapes_parse_or_say_what_is_wrong():
 
 
 def test_extend_compiles_one_variant_per_tile_whatever_the_batch(device, monkeypatch):
-    """Triton compiles a kernel once per specialisation key: constexprs, and whether each int argument is 1 or
-    divisible by 16 and each pointer 16-byte aligned. The keys of the extend's launches (computed by Triton's own
-    binder) do not follow the batch: token counts of both parities, every split count, an index list at an odd
-    offset give one key per tile, one merge and one query quantisation. With the split count a constexpr and the
-    batch-sized values specialised, a fresh H100 compiled ~65 variants, each ~3 s in SGLang's scheduler, through a
-    learning run's first evaluation."""
-    from triton.backends.compiler import BaseBackend
-    from triton.runtime.jit import JITFunction, create_function_from_signature
-
+    """The keys of the extend's launches (``triton_keys``) do not follow the batch: token counts of both parities,
+    every split count, an index list at an odd offset give one key per tile, one merge and one query quantisation.
+    With the split count a constexpr and the batch-sized values specialised, a fresh H100 compiled ~65 variants
+    through a learning run's first evaluation."""
     from kvstreams_sglang.kernels import extend, quantize
 
-    keys: dict[str, set] = {}
-
-    def recorder(name: str, kernel):
-        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)  # interpreter
-        binder = create_function_from_signature(jit.signature, jit.params, BaseBackend)
-
-        def launch(*args, **kwargs):  # records the launch's key; runs nothing
-            _, specialization, options = binder(*args, **kwargs)
-            keys.setdefault(name, set()).add((tuple(specialization), tuple(sorted(options.items()))))
-
-        return type("Recorder", (), {"__getitem__": lambda self, grid: launch})()
-
-    monkeypatch.setattr(extend, "_extend_kernel", recorder("extend", extend._extend_kernel))
-    monkeypatch.setattr(extend, "_merge_splits_kernel", recorder("merge", extend._merge_splits_kernel))
-    monkeypatch.setattr(quantize, "_query_kernel", recorder("query", quantize._query_kernel))  # the INT8 queries
+    keys = record_launch_keys(monkeypatch, extend, {"_extend_kernel": "extend", "_merge_splits_kernel": "merge"})
+    record_launch_keys(monkeypatch, quantize, {"_query_kernel": "query"}, keys)  # the INT8 queries
     hq, hkv = 8, 2
     for prefix, new in [([200, 30], [9, 20]), ([150], [1]), ([64, 64, 64], [3, 4, 5])]:
         cache, meta, _ = filled_cache(prefix, hkv=hkv, seed=1, device=device)

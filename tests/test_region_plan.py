@@ -7,6 +7,7 @@ CUDA graph's padding), both ``end`` conventions (decode: after the new token; ex
 
 import pytest
 import torch
+from triton_keys import record_launch_keys
 
 from kvstreams_sglang.kernels.region_plan import planned_region_lists
 from kvstreams_sglang.kv4.regions import row_region_lists
@@ -83,3 +84,19 @@ def test_plan_cost_bench_compares_the_two_planners_on_the_same_rows(tmp_path, de
                 str(tmp_path / "p.json")])
     assert [r["same_lists"] for r in out["rows"]] == [True, True]
     assert (tmp_path / "p.json").exists()
+
+
+def test_planning_compiles_one_variant_whatever_the_batch(device, monkeypatch):
+    """The planner's launch keys (``triton_keys``) do not follow the batch: its size (1, 16, others) and the INT8
+    indptr's place in the shared indptr buffer (16-byte aligned or not, by the batch size) give one key per kernel.
+    The write kernel had specialised on that alignment: a fresh H100 compiled its second variant during a learning
+    run's first RL steps."""
+    from kvstreams_sglang.kernels import region_plan
+
+    keys = record_launch_keys(monkeypatch, region_plan, {"_count_kernel": "count", "_write_kernel": "write"})
+    for b in (1, 2, 3, 4, 5, 7, 16, 17):
+        rows, lens, ends, req_to_token, slot_positions = table([3 + 5 * i for i in range(b)], width=96, seed=b,
+                                                                device=device)
+        planned_region_lists(rows, lens, ends, req_to_token, slot_positions, sink=16, recent=128,
+                             capacity=4000)  # a host bound: the recorded count kernel writes no counts to read
+    assert {name: len(k) for name, k in keys.items()} == {"count": 1, "write": 1}

@@ -52,7 +52,8 @@ def _count_kernel(rows, lengths, ends, req_to_token, stride_row, slot_positions,
     tl.store(counts + num_req + b, c8)
 
 
-@triton.jit
+# the indptrs are rows of one [2, B + 1] buffer: the second's alignment follows the batch size (one compile for any)
+@triton.jit(do_not_specialize_on_alignment=("kv_indptr", "side_indptr"))
 def _write_kernel(rows, lengths, ends, req_to_token, stride_row, slot_positions, kv_indptr, side_indptr, kv_indices,
                   side_indices, sink, recent, ring, width, BLOCK: tl.constexpr):
     b = tl.program_id(0)
