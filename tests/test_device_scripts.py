@@ -47,3 +47,33 @@ def test_results_are_named_after_the_card_the_call_got(tmp_path, name, card):
     got = subprocess.run(["bash", "-c", "source bench/device/card.sh && echo $DEVICE_CARD"], check=True, cwd=ROOT,
                          env={"PATH": f"{bin_dir}:/usr/bin:/bin"}, capture_output=True, text=True)
     assert got.stdout.strip() == card
+
+
+def test_the_sglang_bundles_wheels_repack_into_one_xz_tar_that_unpacks_as_installed(tmp_path):
+    """``sglang_bundle_xz.sh`` turns the bundle's ``tf/*.whl`` into ``tf_site.tar.xz`` (what ``bundle.sh`` unpacks
+    into the site folder): the wheels' files, nothing else, and the wheels gone (the carry is what shrinks)."""
+    import sys
+    import tarfile
+    import zipfile
+
+    out = tmp_path / ".device_sgl"
+    (out / "tf").mkdir(parents=True)
+    for name, files in {"pkg_a-1.0-py3-none-any.whl": {"pkg_a/__init__.py": "A = 1\n",
+                                                       "pkg_a-1.0.dist-info/METADATA": "Name: pkg-a\n"},
+                        "pkg_b-2.0-cp39-abi3-linux_x86_64.whl": {"pkg_b/_b.abi3.so": "\x7fELF"}}.items():
+        with zipfile.ZipFile(out / "tf" / name, "w") as whl:
+            for path, text in files.items():
+                whl.writestr(path, text)
+    subprocess.run(["bash", str(ROOT / "bench/device/sglang_bundle_xz.sh"), str(out)], check=True, cwd=tmp_path,
+                   env={"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "PYTHON": sys.executable},
+                   capture_output=True)
+    assert not (out / "tf").exists()
+    with tarfile.open(out / "tf_site.tar.xz") as tar:
+        got = sorted(m.name.removeprefix("./") for m in tar.getmembers() if m.isfile())
+        site = tmp_path / "site"
+        tar.extractall(site, filter="data")
+    assert got == ["pkg_a-1.0.dist-info/METADATA", "pkg_a/__init__.py", "pkg_b/_b.abi3.so"]
+    assert (site / "pkg_a" / "__init__.py").read_text() == "A = 1\n"
+    again = subprocess.run(["bash", str(ROOT / "bench/device/sglang_bundle_xz.sh"), str(out)], cwd=tmp_path,
+                           capture_output=True, text=True)
+    assert again.returncode == 1 and "packed already" in again.stdout

@@ -3,7 +3,7 @@
 # there): TextWorld, ALFWorld and what the harness needs beyond the device image, plus the ALFWorld game archive.
 # Usage (in the project root, on your machine):  bash bench/device/env_bundle.sh [OUT_DIR=.devenv] [all|textworld]
 # `textworld`: TextWorld's wheels alone (~5 MB; no ALFWorld, no transformers/tokenizers/pydantic, which the SGLang
-# bundle carries), to carry beside .device_sgl (53 MB) in one call: ENV_BUNDLE=OUT_DIR LEARNING_ENGINE=sglang
+# bundle carries), to carry beside .device_sgl (46 MB, bench/device/sglang_bundle_xz.sh) in one call: ENV_BUNDLE=OUT_DIR LEARNING_ENGINE=sglang
 # bash bench/device/learning_check.sh textworld does SFT and the runs on one carry.
 # Produces OUT_DIR/whl/*.whl and OUT_DIR/alfworld-json_2.1.1-solvable.tar.xz (~25 MB together; the device's carry
 # limit is 64 MiB a call). OUT_DIR is ignored by git (.gitignore); carry it: bench/device/learning_check.sh installs

@@ -18,7 +18,7 @@ jit_cache_save() {
     [ -d "$d" ] && dirs+=("${d#"$HOME"/}")
   done
   [ ${#dirs[@]} -gt 0 ] || return 0
-  # xz -9: the cache travels back beside the 53 MB SGLang bundle (64 MiB a call); -1 made it 2.7x larger
+  # xz -9: the cache travels back beside the 46 MB SGLang bundle (64 MiB a call); -1 made it 2.7x larger
   tar -cf - -C "$HOME" "${dirs[@]}" | xz -9 -T0 > "$out/jit_cache.tar.xz"
   if [ "$(stat -c %s "$out/jit_cache.tar.xz")" -gt $((15 * 1024 * 1024)) ]; then
     split -b 15M -d "$out/jit_cache.tar.xz" "$out/jit_cache.tar.xz.part" && rm "$out/jit_cache.tar.xz"

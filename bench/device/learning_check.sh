@@ -19,7 +19,7 @@
 # calls on one warm machine (call again within its idle release: it continues where it stopped).
 # LEARNING_ENGINE=sglang: the RL runs generate on our SGLang server, one per run (bench.learning's [serving]; the
 # first run's server starts during SFT, on the base checkpoint: its ~125 s of captures on a fresh H100 overlap SFT). The
-# SGLang bundle (.device_sgl, 53 MB) and .devenv (38 MB) do not fit one carry: first call with .devenv (installs the
+# SGLang bundle (.device_sgl, 46 MB repacked) and .devenv (39 MB) do not fit one carry: first call with .devenv (installs the
 # environments into /tmp/envsite, does SFT: `bash bench/device/learning_check.sh textworld sft`), then on the same
 # warm machine `LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld` carrying .device_sgl. Or all on
 # one carry, for TextWorld: `bash bench/device/env_bundle.sh .devenv_tw textworld` (~5 MB) and
