@@ -14,6 +14,7 @@ per mode, ``sglang:forward_execution_seconds_total{category=extend|decode}``), a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -48,11 +49,36 @@ def cpu_flags_env(max_total_tokens: int) -> tuple[list[str], dict]:
     return flags, env
 
 
+_SIGTERM = {"deferring": 0, "pending": False}
+
+
 def unwind_on_sigterm() -> None:
     """A SIGTERM (``timeout`` around a bench) raises SystemExit(143) in the main thread, so ``with server`` blocks
     and ``Server.start`` stop their servers: each runs in its own process group and would otherwise keep its GPU
-    memory after the bench is gone (a device call once found 62% of an H100 held by the previous call's server)."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    memory after the bench is gone (a device call once found 62% of an H100 held by the previous call's server).
+    Inside ``sigterm_deferred`` the exit waits for the block's end."""
+    def exit_143(*_):
+        if _SIGTERM["deferring"]:
+            _SIGTERM["pending"] = True
+        else:
+            sys.exit(143)
+
+    signal.signal(signal.SIGTERM, exit_143)
+
+
+@contextlib.contextmanager
+def sigterm_deferred():
+    """A SIGTERM (under ``unwind_on_sigterm``) inside the block raises its SystemExit(143) at the block's end: a
+    process started inside is held by its ``Server`` by then, so the unwinding stops it (raised between ``Popen``'s
+    return and the assignment of its result, it left the process running: CI, 2026-12-07)."""
+    _SIGTERM["deferring"] += 1
+    try:
+        yield
+    finally:
+        _SIGTERM["deferring"] -= 1
+        if not _SIGTERM["deferring"] and _SIGTERM["pending"]:
+            _SIGTERM["pending"] = False
+            sys.exit(143)
 
 
 @dataclass(frozen=True)
@@ -214,8 +240,9 @@ class Server:
         log.write(" ".join(self.command()) + "\n")
         log.flush()
         self.launch_env = {**os.environ, **self.env}
-        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=self.launch_env)
+        with sigterm_deferred():  # the process is ours to stop from the moment it exists
+            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=self.launch_env)
         return self
 
     def wait_ready(self, timeout_s: float = 900.0) -> Server:

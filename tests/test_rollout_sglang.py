@@ -497,10 +497,11 @@ def test_a_server_whose_port_was_taken_starts_on_another(cpu_servers):
     assert stock.port != a.taken_port and stock.healthy()
 
 
-def test_a_bench_stopped_during_a_server_start_stops_the_server(tmp_path):
-    """A SIGTERM (``timeout`` around a bench) while a server starts: the bench exits 143 and the server's process
-    group goes with it. A device call once found 62% of an H100 held by the server a timed-out serving bench had
-    been starting (servers run in their own process group; the ``with server`` block was never entered)."""
+def _server_alive_after_a_stopped_bench(tmp_path, prelude: str = "", *, wait_for_the_server: bool) -> bool:
+    """Run a bench that starts a never-serving server (``never_serves``) in a subprocess under
+    ``unwind_on_sigterm``, stop the bench with a SIGTERM (sent here once the server wrote its pid, unless the
+    ``prelude`` has the bench signal itself), check it exits 143, and say whether the server outlived it (then
+    killed here)."""
     import os
     import signal
     import subprocess
@@ -511,17 +512,19 @@ def test_a_bench_stopped_during_a_server_start_stops_the_server(tmp_path):
     script = (f"import sys; sys.path.insert(0, {str(TESTS.parent)!r})\n"
               "from pathlib import Path\n"
               "from bench.sglang_servers import Server, ServerConfig, unwind_on_sigterm\n"
+              f"{prelude}"
               "unwind_on_sigterm()\n"
               f"env = {{'PYTHONPATH': {str(TESTS)!r}, 'NEVER_SERVES_PID': {str(pid_file)!r}}}\n"
               f"Server(ServerConfig('never', 'never_serves'), 'model', 1, Path({str(log)!r}), env=env).start(120)\n")
     bench = subprocess.Popen([sys.executable, "-c", script])
-    deadline = time.monotonic() + 60
-    while not pid_file.exists():
-        assert bench.poll() is None and time.monotonic() < deadline, "the stand-in server did not start"
-        time.sleep(0.1)
-    server_pid = int(pid_file.read_text())
-    bench.send_signal(signal.SIGTERM)
+    if wait_for_the_server:
+        deadline = time.monotonic() + 60
+        while not pid_file.exists():
+            assert bench.poll() is None and time.monotonic() < deadline, "the stand-in server did not start"
+            time.sleep(0.1)
+        bench.send_signal(signal.SIGTERM)
     assert bench.wait(90) == 143
+    server_pid = int((tmp_path / "spawned.pid" if (tmp_path / "spawned.pid").exists() else pid_file).read_text())
     try:
         os.kill(server_pid, 0)
         alive = True
@@ -529,7 +532,29 @@ def test_a_bench_stopped_during_a_server_start_stops_the_server(tmp_path):
         alive = False
     if alive:
         os.killpg(server_pid, signal.SIGKILL)
-    assert not alive, "the server outlived the bench"
+    return alive
+
+
+def test_a_bench_stopped_during_a_server_start_stops_the_server(tmp_path):
+    """A SIGTERM (``timeout`` around a bench) while a server starts: the bench exits 143 and the server's process
+    group goes with it. A device call once found 62% of an H100 held by the server a timed-out serving bench had
+    been starting (servers run in their own process group; the ``with server`` block was never entered)."""
+    assert not _server_alive_after_a_stopped_bench(tmp_path, wait_for_the_server=True), "the server outlived the bench"
+
+
+def test_a_sigterm_as_the_server_process_is_created_still_stops_it(tmp_path):
+    """The SIGTERM lands the moment ``Popen`` has created the server, before ``Server`` holds it (here the bench
+    signals itself there; in CI a loaded box once delivered the test's signal in that window and the server outlived
+    the bench): the exit waits for the end of ``sigterm_deferred``, so the unwinding stops the process."""
+    prelude = ("import os, signal, subprocess\n"
+               "class Popen(subprocess.Popen):\n"
+               "    def __init__(self, *args, **kwargs):\n"
+               "        super().__init__(*args, **kwargs)\n"
+               f"        Path({str(tmp_path / 'spawned.pid')!r}).write_text(str(self.pid))\n"
+               "        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs before this returns\n"
+               "subprocess.Popen = Popen\n")
+    assert not _server_alive_after_a_stopped_bench(tmp_path, prelude, wait_for_the_server=False), \
+        "the server outlived the bench"
 
 
 def test_merge_puts_the_calls_side_by_side_and_refuses_other_settings(tmp_path):
