@@ -21,6 +21,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,7 +71,12 @@ def unwind_on_sigterm() -> None:
 def sigterm_deferred():
     """A SIGTERM (under ``unwind_on_sigterm``) inside the block raises its SystemExit(143) at the block's end: a
     process started inside is held by its ``Server`` by then, so the unwinding stops it (raised between ``Popen``'s
-    return and the assignment of its result, it left the process running: CI, 2026-12-07)."""
+    return and the assignment of its result, it left the process running: CI, 2026-12-07). Off the main thread
+    nothing to defer: the signal interrupts only the main thread (a server started in another thread is the
+    caller's to stop)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
     _SIGTERM["deferring"] += 1
     try:
         yield
