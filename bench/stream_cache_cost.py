@@ -194,6 +194,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     if args.server_turns:
+        from .sglang_servers import unwind_on_sigterm
+
+        unwind_on_sigterm()  # a SIGTERM stops the server too (its own process group), as in every serving bench
         turns = server_turns(args.server_turns)
         rows = [dict(stream_tokens_from=part[0]["stream_tokens"], stream_tokens_to=part[-1]["stream_tokens"],
                      **{f"{h}_median_ms": statistics.median(r[h] for r in part) for h in SERVER_HOOKS},
