@@ -4,7 +4,7 @@
 #   bash bench/device/learning_check.sh alfworld [STAGE ...]    # full_context, fidelity, report (bench/learning.py)
 # Needs .devenv (bash bench/device/env_bundle.sh here; carry .devenv): TextWorld, ALFWorld, pydantic, transformers
 # 5.12.1 as wheels plus the ALFWorld archive (~38 MB), installed into /tmp/envsite once per machine. No SGLang:
-# its bundle (52 MB) and these do not fit one call's 64 MiB, so rollouts run on the built-in engine.
+# its bundle (46 MB repacked) and these (28 MB) do not fit one call's 64 MiB, so rollouts run on the built-in engine.
 # State lives in /tmp/learning/ENV on the device: a stage already done there is skipped, an RL run cut by the time
 # limit resumes from its last checkpoint (the evaluation points are checkpoints), as long as the machine stays warm
 # between calls. Checkpoints never travel (the SFT model alone is ~300 MB); everything else comes back as
@@ -24,7 +24,10 @@
 # warm machine `LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld` carrying .device_sgl. Or all on
 # one carry, for TextWorld: `bash bench/device/env_bundle.sh .devenv_tw textworld` (~5 MB) and
 # `ENV_BUNDLE=.devenv_tw LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld`, carrying .device_sgl
-# and .devenv_tw (a fresh machine then needs no earlier call).
+# and .devenv_tw (a fresh machine then needs no earlier call). The same for ALFWorld: `bash bench/device/env_bundle.sh
+# .devenv_alf alfworld` (~9.4 MB: its wheels, fast-downward stripped, and its games) and `ENV_BUNDLE=.devenv_alf
+# LEARNING_ENGINE=sglang bash bench/device/learning_check.sh alfworld`, carrying .device_sgl (repacked:
+# bench/device/sglang_bundle_xz.sh), .devenv_alf, .devlearn and .devcache (66.2 of the 67.1 MB a call may carry).
 # Results in $OUT (or bench/results/check): learning_ENV_CARD.json (CARD: the card the call got, h100 or h200), its
 # PNG, the log, the state, the SGLang servers' logs (learning_ENV_server_logs.tar.xz), and
 # jit_cache.tar.xz (the JIT caches, bench/device/jit_cache.sh: carry it as .devcache/jit_cache.tar.xz to skip the
@@ -45,7 +48,7 @@ if [ "${LEARNING_ENGINE:-builtin}" = sglang ]; then  # the RL runs' rollouts on 
   SERVING=(--serving.engine sglang)
 fi
 if [ "$ENV" = alfworld ] && [ ! -d /tmp/alfworld_data/json_2.1.1 ]; then
-  mkdir -p /tmp/alfworld_data && tar -xJf .devenv/alfworld-json_2.1.1-solvable.tar.xz -C /tmp/alfworld_data || exit 1
+  mkdir -p /tmp/alfworld_data && tar -xJf "${ENV_BUNDLE:-.devenv}"/alfworld-json_2.1.1-solvable.tar.xz -C /tmp/alfworld_data || exit 1
 fi
 STATE=/tmp/learning/$ENV
 if [ ! -d "$STATE" ] && [ -f ".devlearn/learning_${ENV}_state.tar.xz" ]; then
