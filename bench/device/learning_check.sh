@@ -3,7 +3,7 @@
 #   bash bench/device/learning_check.sh textworld [STAGE ...]   # STAGE: all (default), sft, kv_streams, reprefill,
 #   bash bench/device/learning_check.sh alfworld [STAGE ...]    # full_context, fidelity, report (bench/learning.py)
 # Needs .devenv (bash bench/device/env_bundle.sh here; carry .devenv): TextWorld, ALFWorld, pydantic, transformers
-# 5.12.1 as wheels plus the ALFWorld archive (~38 MB), installed into /tmp/envsite once per machine. No SGLang:
+# 5.12.1 as wheels plus the ALFWorld archive (~28 MB), installed into /tmp/envsite once per machine. No SGLang:
 # its bundle (46 MB repacked) and these (28 MB) do not fit one call's 64 MiB, so rollouts run on the built-in engine.
 # State lives in /tmp/learning/ENV on the device: a stage already done there is skipped, an RL run cut by the time
 # limit resumes from its last checkpoint (the evaluation points are checkpoints), as long as the machine stays warm
