@@ -7,7 +7,7 @@
 # LEARNING_ENGINE=sglang bash bench/device/learning_check.sh textworld does SFT and the runs on one carry.
 # `alfworld`: the same for ALFWorld (its wheels and games, ~10 MB): ENV_BUNDLE=OUT_DIR LEARNING_ENGINE=sglang
 # bash bench/device/learning_check.sh alfworld, carrying .device_sgl, OUT_DIR and .devlearn.
-# Produces OUT_DIR/whl/*.whl and OUT_DIR/alfworld-json_2.1.1-solvable.tar.xz (~25 MB together; the device's carry
+# Produces OUT_DIR/whl/*.whl and OUT_DIR/alfworld-json_2.1.1-solvable.tar.xz (~28 MB together; the device's carry
 # limit is 64 MiB a call). OUT_DIR is ignored by git (.gitignore); carry it: bench/device/learning_check.sh installs
 # the wheels into /tmp/envsite once per machine. ALFWORLD_ARCHIVE: the archive, if not at ../shared/data/alfworld.
 # Why these are enough: textworld's wheel is py3-none-manylinux (Inform 7 and Glulx binaries, no CPython

@@ -1,9 +1,9 @@
 """Strip the debug sections off the ELF libraries of a wheel built here, in place, its RECORD rewritten to match.
 
 Why: fast-downward-textworld (ALFWorld's PDDL planner) is an sdist; the wheel pip builds from it carries
-``libdownward.so`` with its debug info, 33.8 MB of the wheel's 12 MB of zip. Stripped (``strip --strip-unneeded``:
-the dynamic symbols ctypes looks up stay) it is 1.1 MB, and ALFWorld's environment fits one device carry beside the
-SGLang bundle (``bench/device/env_bundle.sh OUT alfworld``).
+``libdownward.so`` with its debug info: 33.8 MB unpacked, most of the wheel's 12 MB. Stripped (``strip
+--strip-unneeded``: the dynamic symbols ctypes looks up stay) it is 1.1 MB, and ALFWorld's environment fits one
+device carry beside the SGLang bundle (``bench/device/env_bundle.sh OUT alfworld``).
 
     python bench/device/strip_wheel.py WHEEL [WHEEL ...]
 """
@@ -32,9 +32,9 @@ def strip_wheel(wheel: Path) -> tuple[int, int]:
         members = [(info, z.read(info)) for info in z.infolist()]
     stripped = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for info, data in members:
+        for i, (info, data) in enumerate(members):
             if data[:4] == b"\x7fELF":
-                path = Path(tmp) / Path(info.filename).name
+                path = Path(tmp) / f"{i}.so"
                 path.write_bytes(data)
                 subprocess.run(["strip", "--strip-unneeded", str(path)], check=True)
                 stripped[info.filename] = path.read_bytes()
