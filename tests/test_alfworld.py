@@ -132,6 +132,52 @@ def test_every_machine_builds_the_same_games_whatever_the_global_random(tmp_path
     assert all("UNKNOWN GOAL" not in json.loads(game)["grammar"] for game in first.values())  # a goal filled in
 
 
+def test_train_variants_move_objects_within_the_room_and_the_expert_still_solves_them(tmp_path, alfworld):
+    """Each train trial again with its objects placed elsewhere (``envs/alfworld/variants.py``): the same room, task
+    and objects, each pickupable one in a receptacle that can contain it, the same bytes on every build, and games
+    the expert still wins (a 6-variant sample, one per task type: at least 5)."""
+    import re
+
+    files = GameFiles(tmp_path / "cache", train_variants=2)
+    files.root  # noqa: B018 -- extracted once, into this cache
+    games = files.games("train")
+    assert len(games) == 600 and files.version != alfworld.files.version
+    originals = dict(games[:200])
+    variants = games[200:]
+    assert [vid for vid, _ in variants[:2]] == [f"{games[0][0]}#v1", f"{games[0][0]}#v2"]
+    fact = re.compile(r"\((inReceptacle|objectAtLocation|receptacleAtLocation|receptacleType|objectType|canContain) "
+                      r"(\S+) (\S+)\)")
+
+    def facts(game):
+        found = defaultdict(dict)
+        init = json.loads(Path(game).read_text())["pddl_problem"].partition("(:goal")[0]
+        for name, a, b in fact.findall(init):
+            found[name][a] = b
+        return found
+
+    moved = 0
+    for vid, game in variants[:40]:
+        base, new = facts(originals[vid.split("#")[0]]), facts(game)
+        assert new["objectType"] == base["objectType"] and new["receptacleAtLocation"] == base["receptacleAtLocation"]
+        assert new["inReceptacle"].keys() == base["inReceptacle"].keys()
+        problem = json.loads(Path(game).read_text())["pddl_problem"]
+        for obj, recep in new["inReceptacle"].items():
+            if recep != base["inReceptacle"][obj]:
+                moved += 1
+                assert new["objectAtLocation"][obj] == new["receptacleAtLocation"][recep]  # its location with it
+                assert (f"(canContain {new['receptacleType'][recep]} {new['objectType'][obj]})" in problem)
+    assert moved > 100  # objects do move (40 variants, ~25 objects each)
+    again = GameFiles(tmp_path / "other", train_variants=2)
+    assert Path(again.games("train")[200][1]).read_bytes() == Path(variants[0][1]).read_bytes()
+    taskset = AlfWorldTasks(AlfWorldConfig(cache_dir=tmp_path / "cache", train_variants=2))
+    tasks = [t for t in taskset.tasks("train") if "#v" in t.task_id]
+    taskset.close()
+    picked = sample(tasks, 6)
+    results = play_games(alfworld, picked)
+    assert len({t.payload["task_type"] for t in picked}) == 6
+    assert sum(won for won, _ in results) >= 5, results
+
+
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_tiny_model_plays_alfworld_in_the_agent_loop(strategy, alfworld, tiny_model_path):
     games = alfworld.tasks("eval_seen")[:2]

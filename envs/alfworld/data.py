@@ -20,7 +20,8 @@ the trial's id, so that every machine builds the same game (unseeded, the device
 and a CPU box's differed: 5 of the first 12 wordings).
 
 Splits: ``train`` = ``valid_train`` (200 games in the shared archive; point
-``train_dir`` at ``train`` for the full ~3.5k download), ``eval_seen`` = ``valid_seen``
+``train_dir`` at ``train`` for the full ~3.5k download), each with ``train_variants`` more games
+of its room with the objects placed again (``variants.py``), ``eval_seen`` = ``valid_seen``
 (140), ``eval_unseen`` = ``valid_unseen`` (134), ``eval`` = both.
 
 CLI (extract and rebuild everything ahead of time)::
@@ -43,6 +44,8 @@ from functools import cached_property
 from pathlib import Path
 
 from tqdm import tqdm
+
+from .variants import VARIANTS_BUILD, write_variant
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHIVE = REPO.parent / "shared" / "data" / "alfworld" / "alfworld-json_2.1.1-solvable.tar.xz"
@@ -162,9 +165,12 @@ def build_game(trial: Path, out: Path, logic: GameLogic, trial_id: str) -> Path:
 class GameFiles:
     """Maps split names to rebuilt game files."""
 
-    def __init__(self, cache_dir: Path | None = None, archive: Path = ARCHIVE, train_dir: str = "valid_train"):
+    def __init__(self, cache_dir: Path | None = None, archive: Path = ARCHIVE, train_dir: str = "valid_train",
+                 train_variants: int = 0):
+        if train_variants < 0:
+            raise ValueError(f"train_variants must be >= 0, got {train_variants}")
         self.cache_dir = Path(cache_dir or default_cache_dir())
-        self.archive, self.train_dir = Path(archive), train_dir
+        self.archive, self.train_dir, self.train_variants = Path(archive), train_dir, train_variants
 
     @cached_property
     def root(self) -> Path:
@@ -180,8 +186,10 @@ class GameFiles:
 
     @property
     def version(self) -> str:
-        """What the rebuilt games depend on besides the release's files: the installed logic and ``BUILD``."""
-        return f"alfworld-{self.logic.fingerprint}"
+        """What the rebuilt games depend on besides the release's files: the installed logic and ``BUILD`` (and how
+        train variants are drawn, when there are any)."""
+        variants = f"-{VARIANTS_BUILD}" if self.train_variants else ""
+        return f"alfworld-{self.logic.fingerprint}{variants}"
 
     def folders(self, split: str) -> tuple[str, ...]:
         if split == "train":
@@ -194,12 +202,17 @@ class GameFiles:
         return [t for folder in self.folders(split) for t in trial_dirs(self.root, folder)]
 
     def games(self, split: str, *, progress: bool = False) -> list[tuple[str, Path]]:
-        """``(trial id, game file)`` for every playable trial of ``split``, rebuilding missing files."""
-        out = []
+        """``(trial id, game file)`` for every playable trial of ``split``, rebuilding missing files; the train
+        split's variants (``<trial id>#v<k>``) after its trials."""
+        out, variants = [], []
         for trial in tqdm(self.trials(split), desc=f"alfworld {split}", unit="game", disable=not progress):
             rel = trial.relative_to(self.root).as_posix()
             out.append((rel, build_game(trial, self.games_dir / rel, self.logic, rel)))
-        return out
+            for k in range(1, (self.train_variants if split == "train" else 0) + 1):
+                vid = f"{rel}#v{k}"
+                folder = write_variant(trial, self.games_dir / VARIANTS_BUILD / rel / f"v{k}", rel, k)
+                variants.append((vid, build_game(folder, folder, self.logic, vid)))
+        return out + variants
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,8 +220,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache-dir", type=Path, default=None, help=f"default: {default_cache_dir()}")
     parser.add_argument("--archive", type=Path, default=ARCHIVE)
     parser.add_argument("--train-dir", default="valid_train")
+    parser.add_argument("--train-variants", type=int, default=0, help="more train games per trial (variants.py)")
     args = parser.parse_args(argv)
-    files = GameFiles(args.cache_dir, args.archive, args.train_dir)
+    files = GameFiles(args.cache_dir, args.archive, args.train_dir, args.train_variants)
     for split in ("train", "eval_seen", "eval_unseen"):
         print(f"{split}: {len(files.games(split, progress=True))} games in {files.games_dir}")
 

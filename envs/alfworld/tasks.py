@@ -24,6 +24,8 @@ class AlfWorldConfig(BaseModel):
     cache_dir: Path | None = Field(None, description="default: $KVSTREAMS_CACHE/alfworld or ~/.cache/kvstreams/...")
     archive: Path = Field(ARCHIVE, description="used when $ALFWORLD_DATA has no json_2.1.1/")
     train_dir: str = Field("valid_train", description="release folder of the train split ('train': the full set)")
+    train_variants: int = Field(0, ge=0, description="more train games per train trial: its room with the objects "
+                                "placed again (envs/alfworld/variants.py)")
     max_steps: int = Field(50, ge=1, description="commands per episode before it is cut")
     win_reward: float = 1.0
     expert: bool = Field(True, description="run the hand-coded expert (needed for expert_action)")
@@ -34,7 +36,7 @@ class AlfWorldConfig(BaseModel):
 class AlfWorldTasks:
     def __init__(self, config: AlfWorldConfig | None = None):
         self.config = c = config or AlfWorldConfig()
-        self.files = GameFiles(c.cache_dir, c.archive, c.train_dir)
+        self.files = GameFiles(c.cache_dir, c.archive, c.train_dir, c.train_variants)
         self.pool = GamePool(expert=c.expert, expert_steps=max(200, 4 * c.max_steps), timeout=c.timeout)
 
     def tasks(self, split: str) -> list[Task]:
