@@ -32,6 +32,7 @@ CLI (extract and rebuild everything ahead of time)::
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -39,13 +40,14 @@ import random
 import tarfile
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 from tqdm import tqdm
 
-from .variants import VARIANTS_BUILD, write_variant
+from .variants import VARIANTS_BUILD, variant_problem
 
 REPO = Path(__file__).resolve().parents[2]
 ARCHIVE = REPO.parent / "shared" / "data" / "alfworld" / "alfworld-json_2.1.1-solvable.tar.xz"
@@ -130,9 +132,16 @@ BUILD = "goal wording seeded by trial id"  # how build_game makes a game; in the
 _GLOBAL_RANDOM = threading.Lock()  # build_game seeds and restores the global `random` the package draws from
 
 
-def build_game(trial: Path, out: Path, logic: GameLogic, trial_id: str) -> Path:
+def trial_seed(trial_id: str) -> int:
+    """A game's random draws (its goal's wording, a variant's placements) come from this seed of its id."""
+    return int.from_bytes(hashlib.sha256(trial_id.encode()).digest()[:8], "big")
+
+
+def build_game(trial: Path, out: Path, logic: GameLogic, trial_id: str,
+               problem: Callable[[], str] | None = None) -> Path:
     """Write ``out/game.tw-pddl`` for ``trial`` (as ``alfworld-generate`` does, the goal's wording drawn from
-    a seed of ``trial_id``) and link its ``traj_data.json`` beside it; a no-op when it is already there."""
+    a seed of ``trial_id``; the problem ``problem()``, else the trial's ``initial_state.pddl``) and link its
+    ``traj_data.json`` beside it; a no-op when it is already there."""
     game = out / "game.tw-pddl"
     if game.exists():
         return game
@@ -142,13 +151,13 @@ def build_game(trial: Path, out: Path, logic: GameLogic, trial_id: str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     with _GLOBAL_RANDOM:  # get_templated_task_desc draws from the global `random`, whatever rng it is given
         state = random.getstate()
-        random.seed(int.from_bytes(hashlib.sha256(trial_id.encode()).digest()[:8], "big"))
+        random.seed(trial_seed(trial_id))
         try:
             grammar = add_task_to_grammar(logic.grammar, json.loads(traj.read_text()), rng=random.Random(0))
         finally:
             random.setstate(state)
     gamedata = dict(pddl_domain=logic.domain, grammar=grammar,
-                    pddl_problem=(trial / "initial_state.pddl").read_text(), solvable=True)
+                    pddl_problem=problem() if problem else (trial / "initial_state.pddl").read_text(), solvable=True)
     link = out / "traj_data.json"
     if not link.exists():
         try:
@@ -210,8 +219,9 @@ class GameFiles:
             out.append((rel, build_game(trial, self.games_dir / rel, self.logic, rel)))
             for k in range(1, (self.train_variants if split == "train" else 0) + 1):
                 vid = f"{rel}#v{k}"
-                folder = write_variant(trial, self.games_dir / VARIANTS_BUILD / rel / f"v{k}", rel, k)
-                variants.append((vid, build_game(folder, folder, self.logic, vid)))
+                problem = functools.partial(variant_problem, trial, random.Random(trial_seed(vid)))
+                variants.append((vid, build_game(trial, self.games_dir / VARIANTS_BUILD / rel / f"v{k}", self.logic,
+                                                 vid, problem)))
         return out + variants
 
 

@@ -5,7 +5,7 @@ expert episodes memorises them: on the H100 (2026-12-07) SFT reached 22% greedy 
 expert command loss of 0.68 nats/token against 0.07 on its own episodes, and won 1 of 128 held-out games. A game's
 placement of objects is what the agent must search for; ``valid_seen`` is the release's same rooms with other
 placements. A variant is such a game: every pickupable object of the trial moves to a receptacle of the same room
-that the domain says can contain it (``canContain``, drawn from a seed of the trial and the variant's number), its
+that the domain says can contain it (``canContain``, drawn from a seed of the variant's id, ``<trial id>#v<k>``), its
 location with it; the room, the task and the goal stay (the goal's wording is drawn again, from the variant's id).
 The package's hand-coded expert solved 18 of a 20-variant sample within 50 commands (the originals: 20 of 20; it
 searches longer, 17 commands against 13): an unsolved variant is kept -- its SFT episode carries the expert's
@@ -16,11 +16,8 @@ Objects that hold others or are held (``isReceptacleObject``, ``inReceptacleObje
 
 from __future__ import annotations
 
-import hashlib
-import os
 import random
 import re
-import tempfile
 from pathlib import Path
 
 VARIANTS_BUILD = "relocate-1"  # how variants are drawn; in their folder's name
@@ -62,25 +59,6 @@ def relocate_objects(problem: str, rng: random.Random) -> tuple[str, int]:
     return "\n".join(lines) + sep + goal, moved
 
 
-def variant_seed(trial_id: str, k: int) -> int:
-    return int.from_bytes(hashlib.sha256(f"{trial_id}#v{k}".encode()).digest()[:8], "big")
-
-
-def write_variant(trial: Path, out: Path, trial_id: str, k: int) -> Path:
-    """``out`` as a trial folder for variant ``k`` of ``trial``: its ``initial_state.pddl`` (written atomically; kept
-    if there) and a link to the trial's ``traj_data.json`` (the task the expert reads). Returns ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
-    problem = out / "initial_state.pddl"
-    if not problem.exists():
-        text, _ = relocate_objects((trial / "initial_state.pddl").read_text(), random.Random(variant_seed(trial_id, k)))
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=".problem-")
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, problem)
-    link = out / "traj_data.json"
-    if not link.exists():
-        try:
-            link.symlink_to((trial / "traj_data.json").resolve())
-        except FileExistsError:
-            pass
-    return out
+def variant_problem(trial: Path, rng: random.Random) -> str:
+    """The problem of a variant of ``trial``: its ``initial_state.pddl`` with the objects relocated by ``rng``."""
+    return relocate_objects((trial / "initial_state.pddl").read_text(), rng)[0]
