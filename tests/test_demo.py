@@ -156,8 +156,9 @@ def test_expert_episodes_played_in_processes_equal_those_played_in_one(tmp_path)
     ticks = []
 
     def play(workers: int):
-        return asyncio.run(expert_records(taskset, renderer, compaction, episode, sft, seed=3, workers=workers,
-                                          on_episode=lambda: ticks.append(workers)))
+        (records,) = asyncio.run(expert_records(taskset, renderer, [compaction], episode, sft, seed=3,
+                                                workers=workers, on_episode=lambda: ticks.append(workers)))
+        return records
 
     many, one = play(2), play(1)  # processes first, on an empty game cache
     assert calls.read_text().split() == [str(os.getpid())] * 2  # the games asked for here alone, once per call
@@ -167,3 +168,57 @@ def test_expert_episodes_played_in_processes_equal_those_played_in_one(tmp_path)
         [[[getattr(r, f) for f in fields] for r in ep] for ep in many]
     assert any(r.evictions for ep in one for r in ep)  # the window compacted
     assert len({tuple(ep[0].token_ids) for ep in one}) > 2  # the episodes differ (games, detours)
+
+
+class CountedTasks(TextWorldTasks):
+    """Counts the environments made: one per game played live."""
+
+    made = 0
+
+    def make_env(self, expert: bool = False):
+        CountedTasks.made += 1
+        return super().make_env(expert)
+
+
+def test_expert_episodes_replayed_under_other_renderings_equal_those_played_live(tmp_path):
+    """An expert episode's game is played once and replayed for the other renderings (``envs.rollout.transcript``):
+    the records -- tokens, positions, loss masks, evictions, rewards -- are those of playing each rendering live,
+    and only one game is played per episode. Where a rendering leaves the recording (here the token cap ends the
+    KV-streams episodes early, whose stream keeps counting across evictions, and not the re-prefilled ones), that
+    rendering is played live: the same records again."""
+    from transformers import AutoTokenizer
+
+    from envs.rollout.agent_loop import EpisodeConfig
+    from envs.rollout.chat import ChatRenderer
+    from envs.rollout.compaction import CompactionConfig
+    from harness.sft import SFTConfig, expert_records
+    from kvstreams_sglang.checkpoints import build_tiny_model
+
+    taskset = CountedTasks(TextWorldConfig(presets=["easy"], n_train=2, n_eval=1, max_steps=12,
+                                           cache_dir=tmp_path / "games", progress=False))
+    model = build_tiny_model(tmp_path / "m", num_layers=1, hidden_size=32, num_heads=1, num_kv_heads=1,
+                             head_dim=32, intermediate_size=32)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model), taskset.make_env().system_prompt)
+    window = dict(strategy="sliding_window", window_turns=2, stride=1)
+    renderings = [CompactionConfig(**window, execution="kv_streams"), CompactionConfig(**window, execution="reprefill"),
+                  CompactionConfig(strategy="full_context", execution="kv_streams")]
+    sft = SFTConfig(episodes=4, detour=0.5)
+
+    def seen(r: StreamRecord) -> list:  # all but the timings
+        stats = {k: v for k, v in r.meta.get("stats", {}).items() if k in ("turns", "compactions")}
+        return [r.token_ids, r.positions, r.sources, r.loss_mask, r.evictions,
+                {k: v for k, v in r.meta.items() if k != "stats"}, stats]
+
+    def play(episode: EpisodeConfig, rs: list) -> tuple[list, int]:
+        CountedTasks.made = 0
+        per = asyncio.run(expert_records(taskset, renderer, rs, episode, sft, seed=5))
+        return [[[seen(r) for r in ep] for ep in eps] for eps in per], CountedTasks.made
+
+    for cap, live_games in ((1 << 20, 4), (900, 8)):
+        episode = EpisodeConfig(max_turns=12, max_new_tokens=8, max_stream_tokens=cap)
+        together, made = play(episode, renderings)
+        alone = [play(episode, [r])[0][0] for r in renderings]
+        assert together == alone
+        assert made == live_games  # one game per episode; with the cap, the re-prefill rendering's again
+        assert any(r[4] for ep in together[0] for r in ep)  # the window evicted
+        assert len({str(ep) for ep in together[1]}) > 2  # the episodes differ (games, detours)

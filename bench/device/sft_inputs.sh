@@ -12,6 +12,7 @@
 # games_version; a mismatch says what differs and plays them again. Paths are the device's (/tmp/learning/ENV, /tmp/kvstreams_cache): the key holds the base
 # model's path.
 #   bash bench/device/sft_inputs.sh textworld [--section.key value ...]
+# INPUTS: the archive to write (default .devlearn/ENV_sft_inputs.tar.xz), e.g. beside it for another config.
 set -eo pipefail
 ENV=$1; shift || true
 case $ENV in textworld|alfworld) ;; *) echo "usage: bash bench/device/sft_inputs.sh textworld|alfworld"; exit 2 ;; esac
@@ -19,8 +20,9 @@ PY=${PYTHON:-.venv/bin/python}
 KVSTREAMS_CACHE=/tmp/kvstreams_cache $PY -m bench.learning --config "configs/$ENV/gpu_small.toml" \
   --out-dir "/tmp/learning/$ENV" --json "/tmp/learning/$ENV/expert_report.json" --stage expert \
   --inference.device cpu "$@"
-mkdir -p .devlearn
-XZ_OPT=-9e tar -cJf ".devlearn/${ENV}_sft_inputs.tar.xz" -C /tmp "learning/$ENV/sft/expert_episodes.pt" \
+INPUTS=${INPUTS:-.devlearn/${ENV}_sft_inputs.tar.xz}
+mkdir -p "$(dirname "$INPUTS")"
+XZ_OPT=-9e tar -cJf "$INPUTS" -C /tmp "learning/$ENV/sft/expert_episodes.pt" \
   "learning/$ENV/model/tokenizer.json" "learning/$ENV/model/tokenizer_config.json" \
   "learning/$ENV/model/chat_template.jinja"
-ls -la ".devlearn/${ENV}_sft_inputs.tar.xz"
+ls -la "$INPUTS"
