@@ -325,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()  # every rank tears the group down together (tests/dp_train_step.py says why)
         dist.destroy_process_group()
     return 0
 

@@ -39,4 +39,7 @@ if __name__ == "__main__":
              for name, p in trainer.model.named_parameters(remove_duplicate=False) if p.grad is not None}
     if torch.distributed.get_rank() == 0:
         torch.save({"state": state, "grads": grads, "metrics": metrics}, out_path)
+    # both ranks tear the group down together: rank 1 destroying it while rank 0 still saved once aborted at exit
+    # ("terminate called without an active exception", a gloo thread left joinable; CI, 2026-12-07)
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
