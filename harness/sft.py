@@ -18,8 +18,8 @@ The loss: ``-sum(logprob of loss tokens) / loss tokens`` per step and rendering,
 (``expert_nll``), from ``trainer_masks.score_streams`` on the trainer's (FSDP-wrapped) model.
 
 Each episode's game is played once and replayed for the other renderings (``envs.rollout.transcript``): the
-records are those of playing every rendering live, at a third of the game time (ALFWorld on 2 cores: 48 episodes
-under three renderings in 49 s against 138 s).
+records are those of playing every rendering live, at about a third of the game time (ALFWorld on 2 cores: 72
+episodes under three renderings in 83 s against 228 s).
 """
 
 from __future__ import annotations
@@ -401,7 +401,7 @@ async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: 
             progress.advance(bar)
             done += 1
             if not console.is_terminal and (done * 10 // total > (done - 1) * 10 // total or done == total):
-                # a log file sees no live bar: a line every tenth (ALFWorld's 200 games take ~an hour on 2 cores)
+                # a log file sees no live bar: a line every tenth (ALFWorld's 1,000 games take ~half an hour on 2 cores)
                 console.print(f"expert episodes {done}/{total} ({time.perf_counter() - t0:.0f}s)")
 
         # per rendering, per episode, its records; probe: per rendering, its records
