@@ -69,13 +69,6 @@ RUNS: dict[str, dict[str, str]] = {
 STAGES = ("expert", "sft", *RUNS, "fidelity")
 
 
-def eval_seconds(point: dict) -> float:
-    """An evaluation point's wall time: its splits' in turn, or the longest of those played together."""
-    splits = point["splits"].values()
-    seconds = [x["seconds"] or 0.0 for x in splits]
-    return max(seconds, default=0.0) if any(x.get("together") for x in splits) else sum(seconds)
-
-
 class TargetsConfig(Section):
     """Issue 24's targets; a report says of each whether it was met, and by how much it was missed."""
 
@@ -451,7 +444,6 @@ class LearningBench:
             p["splits"][r["split"]] = {k: r[k] for k in ("episodes", "wins", "win_rate", "mean_reward",
                                                           "mean_turns", "tokens_reprefilled", "peak_kv_tokens")}
             p["splits"][r["split"]]["seconds"] = r.get("seconds")  # its wall time (rows before 2026-12-06: none)
-            p["splits"][r["split"]]["together"] = r.get("together", False)  # from the splits' common start
         for p in by_step.values():
             s = p["splits"].values()
             p["episodes"], p["wins"] = sum(x["episodes"] for x in s), sum(x["wins"] for x in s)
@@ -468,7 +460,7 @@ class LearningBench:
         return {
             "settings": RUNS[name], "done": read_json(self.run_dir(name) / "done.json"), "points": points,
             # the evaluations' wall time, outside the runs' GPU time (call time all the same)
-            "eval_s": round(sum(eval_seconds(p) for p in points), 1),
+            "eval_s": round(sum(x["seconds"] or 0.0 for p in points for x in p["splits"].values()), 1),
             "steps": len(rows), "gpu_s": gpu_s, "gpu_s_per_step": round(gpu_s / len(rows), 2) if rows else None,
             "tokens_generated": sum(r["tokens_generated"] for r in rows),
             "tokens_reprefilled": sum(r["tokens_reprefilled"] for r in rows),

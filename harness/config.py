@@ -175,9 +175,6 @@ class EvaluationConfig(Section):
     on_server: bool = Field(True, description="inference.engine = sglang: play the eval games on the run's SGLang "
                             "server (rollouts stopped, holding the step's weights); false: on a built-in engine of "
                             "its own")
-    splits_together: bool = Field(True, description="on the run's SGLang server, play every split's games at once "
-                                  "(each split at most inference.max_streams at a time; the server queues what its "
-                                  "rows cannot take): the splits' tails overlap. A built-in engine plays them in turn")
 
 
 class Config(Section):

@@ -9,7 +9,6 @@ stream would hold with nothing evicted.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import asdict, dataclass
 
@@ -52,7 +51,6 @@ class EvalResult:
     full_context_tokens: int  # max over episodes of kv_peaks()[1]
     compactions: int
     seconds: float = 0.0  # the evaluation's wall time (not a run's GPU time: runs exclude their evaluations)
-    together: bool = False  # played at once with the other splits: ``seconds`` runs from their common start
 
     @property
     def win_rate(self) -> float:
@@ -93,11 +91,12 @@ class HeldOut:
         if self.client is None:
             self.engine = self.engine or make_engine(self.cfg, self.model_path, self.device)
             self.engine.update_weights(weights)
-        together = self.client is not None and self.cfg.evaluation.splits_together
-        played = await evaluate_splits(self.client or self.engine, self.taskset, self.tasks, self.renderer, self.cfg,
-                                       temperature=self.cfg.evaluation.temperature, seed=self.cfg.run.seed,
-                                       together=together)
-        return [result for result, _ in played.values()]
+        results = []
+        for split, tasks in self.tasks.items():
+            result, _ = await evaluate(split, self.client or self.engine, self.taskset, tasks, self.renderer,
+                                       self.cfg, temperature=self.cfg.evaluation.temperature, seed=self.cfg.run.seed)
+            results.append(result)
+        return results
 
 
 def episode_config(cfg: Config, temperature: float) -> EpisodeConfig:
@@ -109,51 +108,25 @@ async def evaluate(stage: str, engine: Engine | EngineClient, taskset: TaskSet, 
                    seed: int = 0) -> tuple[EvalResult, list[Episode]]:
     """One episode per task on ``engine`` (a built-in engine, or a client of any engine); a progress bar while they
     run."""
-    played = await evaluate_splits(engine, taskset, {stage: tasks}, renderer, cfg, temperature=temperature, seed=seed)
-    return played[stage]
-
-
-async def evaluate_splits(engine: Engine | EngineClient, taskset: TaskSet, splits: dict[str, list[Task]],
-                          renderer: ChatRenderer, cfg: Config, *, temperature: float = 0.0, seed: int = 0,
-                          together: bool = False) -> dict[str, tuple[EvalResult, list[Episode]]]:
-    """Each split's games, one episode per task (the ``i``-th game of every split seeded ``seed + i``), at most
-    ``inference.max_streams`` of a split at a time: the splits in turn, or all at once (``together``: a server's
-    client, whose queue takes what its rows cannot; their tails overlap). A progress bar per split."""
     from rich.progress import Progress
 
     client = BuiltinClient(engine) if isinstance(engine, Engine) else engine
-    config = episode_config(cfg, temperature)
-
+    before = client.tokens_reprefilled
+    t0 = time.perf_counter()
     with Progress(transient=True) as progress:
-        async def play(stage: str, tasks: list[Task]) -> tuple[list[Episode], float, int]:
-            before, t0 = client.tokens_reprefilled, time.perf_counter()
-            bar = progress.add_task(f"eval {stage}", total=len(tasks))
-            episodes = await run_episodes(client, taskset.make_env, tasks, renderer, cfg.compaction, config,
-                                          concurrency=cfg.inference.max_streams, seed=seed,
-                                          on_episode=lambda _: progress.advance(bar))
-            return episodes, time.perf_counter() - t0, client.tokens_reprefilled - before
-
-        if together:
-            before = client.tokens_reprefilled
-            outs = await asyncio.gather(*(play(stage, tasks) for stage, tasks in splits.items()))
-            # the engine's re-prefilled tokens of the splits together, counted once: on the first split
-            engine_reprefilled = [client.tokens_reprefilled - before] + [0] * (len(outs) - 1)
-            outs = [(eps, s, r) for (eps, s, _), r in zip(outs, engine_reprefilled, strict=True)]
-        else:
-            outs = [await play(stage, tasks) for stage, tasks in splits.items()]
-    return {stage: (result_of(stage, episodes, engine_reprefilled, seconds, together), episodes)
-            for stage, (episodes, seconds, engine_reprefilled) in zip(splits, outs, strict=True)}
-
-
-def result_of(stage: str, episodes: list[Episode], engine_reprefilled: int, seconds: float,
-              together: bool) -> EvalResult:
+        bar = progress.add_task(f"eval {stage}", total=len(tasks))
+        episodes = await run_episodes(client, taskset.make_env, tasks, renderer, cfg.compaction,
+                                      episode_config(cfg, temperature), concurrency=cfg.inference.max_streams,
+                                      seed=seed, on_episode=lambda _: progress.advance(bar))
     peaks = [kv_peaks(r) for ep in episodes for r in ep.records]
     n = len(episodes)
-    return EvalResult(
+    result = EvalResult(
         stage=stage, episodes=n, wins=sum(ep.won for ep in episodes),
         mean_reward=sum(ep.reward for ep in episodes) / max(1, n),
         mean_turns=sum(ep.stats.turns for ep in episodes) / max(1, n),
-        tokens_reprefilled=sum(ep.stats.tokens_reprefilled for ep in episodes) + engine_reprefilled,
+        tokens_reprefilled=sum(ep.stats.tokens_reprefilled for ep in episodes)
+        + client.tokens_reprefilled - before,
         peak_kv_tokens=max((p for p, _ in peaks), default=0),
         full_context_tokens=max((f for _, f in peaks), default=0),
-        compactions=sum(ep.stats.compactions for ep in episodes), seconds=round(seconds, 2), together=together)
+        compactions=sum(ep.stats.compactions for ep in episodes), seconds=round(time.perf_counter() - t0, 2))
+    return result, episodes

@@ -284,9 +284,7 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
     cfg = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"engine": "sglang",
                                                                           "max_total_tokens": 16384}),
                                  # the games in worker processes, as the GPU config steps them beside its server
-                                 "environment": cfg.environment.model_copy(update={"processes": 2}),
-                                 # two splits, played together on the server
-                                 "evaluation": cfg.evaluation.model_copy(update={"splits": ["eval", "train"]})})
+                                 "environment": cfg.environment.model_copy(update={"processes": 2})})
     report = asyncio.run(main_async(args, cfg, "on sglang"))
     assert report["engine"].startswith("sglang") and report["sft"]["sft_sha256"] == sft_sha
     for name, kv in (("kv_streams", "--kv4rl"), ("reprefill", None)):
@@ -306,10 +304,6 @@ def test_rl_runs_on_an_sglang_server_per_run(bench_state, tmp_path):
         evals = [json.loads(x) for x in (tmp_path / "state" / "runs" / name / "eval.jsonl").read_text().splitlines()]
         assert evals and all(e["on_server"] for e in evals)  # held-out games played on the run's server too
         assert all(split["seconds"] > 0 for p in run["points"] for split in p["splits"].values())  # wall time
-        assert all(list(p["splits"]) == ["eval", "train"] and p["episodes"] == 4 for p in run["points"])
-        assert all(split["together"] for p in run["points"] for split in p["splits"].values())
-        # the splits' common wall time, once per point
-        assert run["eval_s"] == round(sum(max(x["seconds"] for x in p["splits"].values()) for p in run["points"]), 1)
     assert report["runs"]["kv_streams"]["tokens_reprefilled"] == 0
     assert report["runs"]["reprefill"]["tokens_reprefilled"] > 0
 
