@@ -58,7 +58,7 @@ from pydantic import Field
 
 from harness import checkpoint
 from harness.config import Config, ConfigError, Section, apply_overrides, check_machine, load_config
-from harness.sft import SFTConfig
+from harness.sft import SFTConfig, SFTCut
 
 # What each run changes in the config (dotted keys, as on the command line); the rest is shared.
 RUNS: dict[str, dict[str, str]] = {
@@ -225,6 +225,7 @@ class LearningBench:
         self.device = resolve_device(cfg.inference.device)
         self.pending_runs: list[str] = []  # the RL runs this call will do, in order (main_async)
         self._early = None  # (run, its server, the task starting it): started during SFT (start_early)
+        self.deadline: float | None = None  # time.monotonic() at which SFT saves its state and the call ends
 
     def stage_done(self, stage: str) -> bool:
         if stage == "expert":
@@ -286,7 +287,8 @@ class LearningBench:
             self.start_early(base)
             try:
                 ws = await warm_start(self.cfg, self.cfg.sft, base, taskset, renderer, self.device,
-                                      self.out / "sft", console=self.console, compactions=self.renderings(base))
+                                      self.out / "sft", console=self.console, compactions=self.renderings(base),
+                                      deadline=self.deadline)
             except BaseException:
                 self.stop_early()
                 raise
@@ -701,11 +703,17 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--json", type=Path, default=None, help="the report (default OUT_DIR/learning.json); PNG beside")
     p.add_argument("--stage", nargs="+", default=["all"], choices=["all", *STAGES, "report"],
                    help="stages to run if not done yet (all: every one, in order); the report is always written")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="seconds this call may take (a device call's limit, less a margin): SFT saves its state "
+                        "after the step that reaches it and the call ends there, with its report; the next call "
+                        "continues from that step")
     return p.parse_known_args(argv)
 
 
 async def main_async(args: argparse.Namespace, cfg: LearningConfig, command: str) -> dict:
     bench = LearningBench(cfg, args.out_dir)
+    if args.deadline_s is not None:
+        bench.deadline = time.monotonic() + args.deadline_s
     log = args.out_dir / "commands.jsonl"
     args.out_dir.mkdir(parents=True, exist_ok=True)
     stages = list(STAGES) if "all" in args.stage else [s for s in STAGES if s in args.stage]
@@ -722,6 +730,8 @@ async def main_async(args: argparse.Namespace, cfg: LearningConfig, command: str
             await (bench.expert() if stage == "expert" else bench.sft() if stage == "sft"
                    else bench.fidelity() if stage == "fidelity" else bench.rl(stage))
             bench.report(json_path, commands)
+    except SFTCut as cut:
+        bench.console.print(str(cut))
     finally:
         bench.stop_early()  # a server started during SFT for a run this call did not reach
         report = bench.report(json_path, commands)

@@ -326,6 +326,16 @@ class WarmStart:
     stop_train_win_rate: float | None  # the last early-stop check's train win rate (None: never checked)
 
 
+class SFTCut(Exception):
+    """SFT stopped at its deadline (a device call's time limit) with its state saved: the next call with the same
+    config continues from ``steps``."""
+
+    def __init__(self, steps: int):
+        super().__init__(f"SFT stopped after step {steps} at the call's deadline, its state saved: call again to "
+                         f"continue")
+        self.steps = steps
+
+
 def sft_inputs(cfg: Config, sft: SFTConfig, base_path: str, renderings: list[CompactionConfig],
                games: str | None = None) -> dict:
     """What an SFT's expert episodes and batches depend on, by name (``sft_key`` hashes it; a saved state keeps it,
@@ -418,7 +428,7 @@ async def expert_episodes(cfg: Config, sft: SFTConfig, base_path: str, taskset: 
 
 async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskSet, renderer: ChatRenderer,
                      device: torch.device, out: Path, *, console=None,
-                     compactions: list[CompactionConfig] | None = None) -> WarmStart:
+                     compactions: list[CompactionConfig] | None = None, deadline: float | None = None) -> WarmStart:
     """SFT from ``base_path`` on the train split's expert episodes rendered under ``cfg.compaction``, with the
     early stop of ``sft.stop_train_win_rate`` (greedy play of ``sft.check_games`` train games through the
     run's engine every ``sft.check_every`` steps); ``out/metrics.jsonl``, ``out/metrics.png`` and the
@@ -431,7 +441,9 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
 
     Resumable: the expert episodes are kept in ``out/expert_episodes.pt`` and the trainer's state in
     ``out/checkpoints`` at every check, so a call cut by a time limit continues from its last check (same
-    config, ``sft_key``); anything else starts over."""
+    config, ``sft_key``); anything else starts over. ``deadline`` (``time.monotonic()``: a call's limit, less the
+    seconds a checkpoint takes) saves the state after the step that reaches it and raises ``SFTCut``: the next
+    call loses no step."""
     from rich.console import Console
     from rich.progress import Progress
 
@@ -456,7 +468,8 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
         checkpoint.set_rng_state(state["rng"])
         steps, check, nll_before = state["step"], state["check"], state["nll_before"]
         log.truncate_after(steps - 1)
-        console.print(f"SFT resumed after step {steps} (greedy train wins {check:.0%})")
+        console.print(f"SFT resumed after step {steps}" + ("" if check is None else
+                                                           f" (greedy train wins {check:.0%} at the last check)"))
     else:
         if ckpt_dir.exists():
             shutil.rmtree(ckpt_dir)
@@ -487,10 +500,13 @@ async def warm_start(cfg: Config, sft: SFTConfig, base_path: str, taskset: TaskS
                     console.print(f"SFT step {steps}: nll {row['nll']:.3f}, greedy train wins {check:.0%} "
                                   f"(step {row['step_s']:.2f}s, check {row['check_s']:.1f}s)")
             log.log(row)
-            if "train_win_rate" in row:
+            cut = deadline is not None and time.monotonic() >= deadline and steps < sft.steps and not stop
+            if "train_win_rate" in row or cut:
                 checkpoint.save(ckpt_dir, steps, {"trainer": trainer.checkpoint_state(), "key": key,
                                                   "check": check, "nll_before": nll_before}, keep=2)
             progress.update(bar, advance=1, description=f"SFT steps (nll {row['nll']:.3f})")
+            if cut:
+                raise SFTCut(steps)
             if stop:
                 break
     if stop:

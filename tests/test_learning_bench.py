@@ -202,6 +202,29 @@ def test_a_cut_sft_resumes_from_its_last_check(bench_state, tmp_path):
     assert report["checkpoints"]["sft_sha256"] == first["checkpoints"]["sft_sha256"]
 
 
+def test_sft_stops_at_the_calls_deadline_and_the_next_call_loses_no_step(bench_state, tmp_path):
+    """``--deadline-s``: SFT saves its state after the step that reaches the deadline, between its checks, and the
+    call ends there with its report (no RL run starts); the next call continues from that step and ends on the
+    uninterrupted run's bytes."""
+    _, games, first = bench_state
+    args, cfg = tiny_args(tmp_path, games, "sft", "kv_streams")
+    cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"check_every": 2})})  # no check at step 1
+    args.deadline_s = 0.0  # reached by the first step
+    report = asyncio.run(main_async(args, cfg, "cut by its deadline"))
+    rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0] and "train_win_rate" not in rows[0]
+    assert (tmp_path / "sft" / "checkpoints" / "step_000001.pt").exists()
+    assert not (tmp_path / "sft" / "done.json").exists() and not (tmp_path / "runs" / "kv_streams").exists()
+    assert report["runs"]["kv_streams"]["steps"] == 0
+    args.deadline_s = None
+    report = asyncio.run(main_async(args, cfg, "resumed"))
+    rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1] and "train_win_rate" in rows[1]
+    assert report["sft"]["steps"] == 2
+    assert report["checkpoints"]["sft_sha256"] == first["checkpoints"]["sft_sha256"]
+    assert report["runs"]["kv_streams"]["steps"] == 2
+
+
 def test_expert_episodes_played_on_another_machine_serve_its_sft_when_the_tokenizer_matches(bench_state, tmp_path,
                                                                                             capsys):
     """The expert stage (a CPU box, before the device calls: bench/device/sft_inputs.sh) plays the games and the

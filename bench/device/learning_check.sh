@@ -15,8 +15,10 @@
 # runs' renderings (2026-12-03: 6176 expert records) did not reach its stop within one call's 530 s while batches
 # sampled records (a re-prefilled episode is a record per compaction); batches now take whole episodes from every
 # rendering, not yet re-measured: a step is then 16 episodes of each (coin25 expert episodes, CPU-counted: 2.3k
-# tokens as KV-streams or full context, 21.7k as re-prefill in 22.75 records; ~420k tokens a step). The bench stops at 530 s and writes its report: expect `all` to take two or three
-# calls on one warm machine (call again within its idle release: it continues where it stopped).
+# tokens as KV-streams or full context, 21.7k as re-prefill in 22.75 records; ~420k tokens a step). The bench stops
+# at LEARNING_TIMEOUT (530 s) and writes its report; SFT ends 45 s before it, its state saved at that step (an RL run
+# continues from its last evaluation): expect `all` to take two or three calls on one warm machine (call again
+# within its idle release: it continues where it stopped).
 # LEARNING_ENGINE=sglang: the RL runs generate on our SGLang server, one per run (bench.learning's [serving]; the
 # first run's server starts during SFT, on the base checkpoint: its ~125 s of captures on a fresh H100 overlap SFT). The
 # SGLang bundle (.device_sgl, 46 MB repacked) and .devenv (39 MB) do not fit one carry: first call with .devenv (installs the
@@ -66,7 +68,11 @@ command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clo
 JSON="$OUT/learning_${ENV}_${DEVICE_CARD}.json"
 # LEARNING_TIMEOUT: seconds for the stages (default 530); LEARNING_ARGS: config overrides for every stage (e.g. "--run.time_budget_s 150"); PYTHON: the interpreter
 BENCH=(${PYTHON:-python3} -m bench.learning --config "configs/$ENV/gpu_small.toml" --out-dir "$STATE" --json "$JSON")
-timeout ${LEARNING_TIMEOUT:-530} "${BENCH[@]}" --stage "${@:-all}" "${SERVING[@]}" $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"
+# SFT saves its state and the call ends cleanly 45 s before the limit (a check, ~26 s for ALFWorld's 32 games on an
+# H100, and a checkpoint may follow the step that reaches it): the next call continues from that step
+LIMIT=${LEARNING_TIMEOUT:-530}
+timeout $LIMIT "${BENCH[@]}" --stage "${@:-all}" "${SERVING[@]}" --deadline-s $((LIMIT - 45)) $LEARNING_ARGS 2>&1 \
+  | tee "$OUT/learning_${ENV}.log"
 rc=$?
 [ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report "${SERVING[@]}" $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
 tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights \
