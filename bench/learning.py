@@ -707,6 +707,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                    help="seconds this call may take (a device call's limit, less a margin): SFT saves its state "
                         "after the step that reaches it and the call ends there, with its report; the next call "
                         "continues from that step")
+    p.add_argument("--run-min-s", type=float, default=0.0,
+                   help="with --deadline-s: an RL run starts (or resumes) only while this many seconds remain before "
+                        "the deadline (its server's start, an evaluation, a step and the next evaluation); else the "
+                        "call ends there, its device time not spent on a start the next call would repeat")
     return p.parse_known_args(argv)
 
 
@@ -727,6 +731,11 @@ async def main_async(args: argparse.Namespace, cfg: LearningConfig, command: str
         for stage in stages:
             if stage == "fidelity" and not cfg.fidelity.lengths:
                 continue
+            left = None if bench.deadline is None else bench.deadline - time.monotonic()
+            if stage in RUNS and not bench.stage_done(stage) and left is not None and left < args.run_min_s:
+                bench.console.print(f"{stage} not started: {max(left, 0):.0f} s to the call's deadline, a run needs "
+                                    f"{args.run_min_s:.0f} (--run-min-s): call again")
+                break
             await (bench.expert() if stage == "expert" else bench.sft() if stage == "sft"
                    else bench.fidelity() if stage == "fidelity" else bench.rl(stage))
             bench.report(json_path, commands)

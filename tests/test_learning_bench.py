@@ -205,7 +205,7 @@ def test_a_cut_sft_resumes_from_its_last_check(bench_state, tmp_path):
 def test_sft_stops_at_the_calls_deadline_and_the_next_call_loses_no_step(bench_state, tmp_path):
     """``--deadline-s``: SFT saves its state after the step that reaches the deadline, between its checks, and the
     call ends there with its report (no RL run starts); the next call continues from that step and ends on the
-    uninterrupted run's bytes."""
+    uninterrupted run's bytes. ``--run-min-s``: no RL run starts with less than that left before the deadline."""
     _, games, first = bench_state
     args, cfg = tiny_args(tmp_path, games, "sft", "kv_streams")
     cfg = cfg.model_copy(update={"sft": cfg.sft.model_copy(update={"check_every": 2})})  # no check at step 1
@@ -216,12 +216,15 @@ def test_sft_stops_at_the_calls_deadline_and_the_next_call_loses_no_step(bench_s
     assert (tmp_path / "sft" / "checkpoints" / "step_000001.pt").exists()
     assert not (tmp_path / "sft" / "done.json").exists() and not (tmp_path / "runs" / "kv_streams").exists()
     assert report["runs"]["kv_streams"]["steps"] == 0
-    args.deadline_s = None
+    args.deadline_s, args.run_min_s = 1000.0, 2000.0  # SFT ends in time; too little is left for a run
     report = asyncio.run(main_async(args, cfg, "resumed"))
     rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1] and "train_win_rate" in rows[1]
     assert report["sft"]["steps"] == 2
     assert report["checkpoints"]["sft_sha256"] == first["checkpoints"]["sft_sha256"]
+    assert not (tmp_path / "runs" / "kv_streams").exists() and report["runs"]["kv_streams"]["steps"] == 0
+    args.deadline_s = None
+    report = asyncio.run(main_async(args, cfg, "the run"))
     assert report["runs"]["kv_streams"]["steps"] == 2
 
 

@@ -69,10 +69,14 @@ JSON="$OUT/learning_${ENV}_${DEVICE_CARD}.json"
 # LEARNING_TIMEOUT: seconds for the stages (default 530); LEARNING_ARGS: config overrides for every stage (e.g. "--run.time_budget_s 150"); PYTHON: the interpreter
 BENCH=(${PYTHON:-python3} -m bench.learning --config "configs/$ENV/gpu_small.toml" --out-dir "$STATE" --json "$JSON")
 # SFT saves its state and the call ends cleanly 45 s before the limit (a check, ~26 s for ALFWorld's 32 games on an
-# H100, and a checkpoint may follow the step that reaches it): the next call continues from that step
+# H100, and a checkpoint may follow the step that reaches it): the next call continues from that step. An RL run
+# starts only with LEARNING_RUN_MIN_S left before that deadline (H100, 2026-12-07: a run's server 64-68 s, an
+# ALFWorld evaluation point 48-77 s, a step ~15 s; TextWorld's ~30 s and ~7 s): a later start would be cut before
+# its first checkpoint, and the next call would pay it again
+case $ENV in alfworld) RUN_MIN=220 ;; *) RUN_MIN=140 ;; esac
 LIMIT=${LEARNING_TIMEOUT:-530}
-timeout $LIMIT "${BENCH[@]}" --stage "${@:-all}" "${SERVING[@]}" --deadline-s $((LIMIT - 45)) $LEARNING_ARGS 2>&1 \
-  | tee "$OUT/learning_${ENV}.log"
+timeout $LIMIT "${BENCH[@]}" --stage "${@:-all}" "${SERVING[@]}" --deadline-s $((LIMIT - 45)) \
+  --run-min-s ${LEARNING_RUN_MIN_S:-$RUN_MIN} $LEARNING_ARGS 2>&1 | tee "$OUT/learning_${ENV}.log"
 rc=$?
 [ $rc -eq 0 ] || timeout 40 "${BENCH[@]}" --stage report "${SERVING[@]}" $LEARNING_ARGS 2>&1 | tail -20  # what the cut call did
 tar -cJf "$OUT/learning_${ENV}_state.tar.xz" -C "$STATE" --exclude=model --exclude=checkpoints --exclude=weights \
